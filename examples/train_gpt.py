@@ -1,0 +1,161 @@
+"""Train a small GPT-style model with flatshard.
+
+    python examples/train_gpt.py                 # starts 2 local CPU ranks (gloo) by itself
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 50   # the launcher's ranks
+
+Each transformer block is its own sharded unit; the embedding (tied to the output head) and
+the final norm live in the root unit. The corpus is generated deterministically (a random
+Markov chain), so nothing is downloaded and the loss visibly falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from flatshard import ShardedDataParallel, ShardingStrategy
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied input/output embedding
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok(tokens) + self.pos(positions)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def markov_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """Sequences from a fixed random Markov chain where each token has 3 likely successors."""
+    chain = torch.Generator().manual_seed(0)
+    successors = torch.randint(0, vocab, (vocab, 3), generator=chain)
+    gen = torch.Generator().manual_seed(1_000_003 * step + rank)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
+    for t in range(seq):
+        pick = torch.randint(0, 3, (batch,), generator=gen)
+        tokens[:, t + 1] = successors[tokens[:, t], pick]
+    return tokens
+
+
+def train(args: argparse.Namespace) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    torch.manual_seed(args.seed)  # every rank builds the same initial model
+    model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    options = dict(sharding_strategy=ShardingStrategy[args.strategy], device_id=device)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = ShardedDataParallel(block, **options)
+    model = ShardedDataParallel(model, **options)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if rank == 0:
+        total = sum(h.numel for h in (m.handle for m in ShardedDataParallel.fsdp_modules(model)) if h)
+        print(f"{world} ranks, {total:,} parameters, {args.strategy}, device {device}", flush=True)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        tokens = markov_batch(step, rank, args.batch, args.seq, args.vocab).to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+            elapsed = time.perf_counter() - start
+            tokens_per_s = step * world * args.batch * args.seq / elapsed
+            print(f"step {step:4d}  loss {mean_loss.item() / world:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
+    if rank == 0:
+        print(f"done: {args.steps} steps; the best possible loss here is ln 3 = {math.log(3):.4f}", flush=True)
+
+
+def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--strategy", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name], default="FULL_SHARD")
+    p.add_argument("--nproc", type=int, default=2, help="local CPU ranks to start when not under torchrun")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        try:
+            train(args)
+        finally:
+            dist.destroy_process_group()
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(args.nproc, os.path.join(tmp, "rendezvous"), args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

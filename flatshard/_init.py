@@ -1,0 +1,268 @@
+"""Construction of one unit: check the options, find the parameters the unit owns, check
+them, pick the device, and flatten.
+
+A unit owns every parameter in its module's tree that no nested wrapper (built before it)
+already owns. Errors name parameters and modules relative to the module being wrapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Type
+
+import torch
+from torch import nn
+
+from ._collectives import ProcessGroup, backend_of, default_group, require_initialized
+from ._common import coerce_config, coerce_enum, display_name, join_name
+from ._runtime import Unit, UnitConfig
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParameter, FlatParamHandle, OrigParam
+
+_Buffers = List[Tuple[nn.Module, str, torch.Tensor]]
+
+
+def unit_of(wrapper: nn.Module) -> Unit:
+    """The run-time unit of a wrapper (the public class keeps it as ``_unit``)."""
+    return wrapper._unit  # type: ignore[return-value]
+
+
+def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[str, Any]) -> Unit:
+    """Check ``options`` (the wrapper's constructor arguments) and flatten ``module``'s
+    parameters into a new unit. ``wrapper_cls`` is the public wrapper class."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
+    if isinstance(module, wrapper_cls):
+        raise ValueError(
+            f"module is already a {wrapper_cls.__name__} (of {type(module.module).__name__}); "
+            f"wrap each module once"
+        )
+    config = _check_options(options)
+    require_initialized()
+    group = _resolve_group(options["process_group"], options["device_mesh"])
+    params, buffers, nested = _collect(module, wrapper_cls)
+    _check_params(params)
+    _check_ties(params, nested)
+    device = _resolve_device(options["device_id"], params, buffers, nested, group)
+    _move_to(device, params, buffers)
+    handle = None
+    if params:
+        sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
+        handle = FlatParamHandle(params, module, device, group, sharded)
+    unit = Unit(handle, config, group, device)
+    unit.adopt(nested)
+    return unit
+
+
+# -- options ------------------------------------------------------------------------------
+
+_LATER = "is not supported yet"
+
+
+def _check_options(o: Dict[str, Any]) -> UnitConfig:
+    strategy = coerce_enum(o["sharding_strategy"], ShardingStrategy, "sharding_strategy", allow_none=True)
+    strategy = strategy or ShardingStrategy.FULL_SHARD
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        raise NotImplementedError(f"sharding_strategy=ShardingStrategy.{strategy.name} {_LATER}")
+    if isinstance(o["process_group"], tuple):
+        raise NotImplementedError(f"process_group as a (shard group, replicate group) pair (hybrid sharding) {_LATER}")
+    offload = coerce_config(o["cpu_offload"], CPUOffload, "cpu_offload")
+    if offload is not None and offload.offload_params:
+        raise NotImplementedError(f"cpu_offload=CPUOffload(offload_params=True) {_LATER}")
+    if o["auto_wrap_policy"] is not None:
+        raise NotImplementedError(f"auto_wrap_policy {_LATER}; wrap submodules by hand, innermost first")
+    prefetch = coerce_enum(o["backward_prefetch"], BackwardPrefetch, "backward_prefetch", allow_none=True)
+    mp = coerce_config(o["mixed_precision"], MixedPrecision, "mixed_precision")
+    if mp is not None and (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) != (None, None, None):
+        raise NotImplementedError(f"mixed_precision {_LATER}")
+    for name in ("ignored_modules", "ignored_states"):
+        if o[name] is not None and list(o[name]):
+            raise NotImplementedError(f"{name} {_LATER}")
+    if o["param_init_fn"] is not None:
+        raise NotImplementedError(f"param_init_fn (deferred initialisation) {_LATER}")
+    for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
+        if not isinstance(o[name], bool):
+            raise TypeError(f"{name} must be a bool; got {o[name]!r}")
+    if o["sync_module_states"]:
+        raise NotImplementedError(f"sync_module_states=True {_LATER}")
+    if o["use_orig_params"]:
+        raise NotImplementedError(f"use_orig_params=True {_LATER}")
+    return UnitConfig(strategy, prefetch, o["forward_prefetch"], o["limit_all_gathers"])
+
+
+def _resolve_group(process_group: Optional[ProcessGroup], device_mesh: Any) -> ProcessGroup:
+    if device_mesh is None:
+        return process_group if process_group is not None else default_group()
+    if process_group is not None:
+        raise ValueError("pass either process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise NotImplementedError(f"a {device_mesh.ndim}-D device_mesh (hybrid sharding) {_LATER}; pass a 1-D mesh")
+    return device_mesh.get_group()
+
+
+# -- parameters ---------------------------------------------------------------------------
+
+
+def _collect(module: nn.Module, wrapper_cls: Type[nn.Module]) -> Tuple[List[OrigParam], _Buffers, List[Tuple[str, Unit]]]:
+    """The parameter registrations and buffers ``module``'s tree has outside nested
+    wrappers, and every nested wrapper's unit (with its name) at any depth."""
+    params: List[OrigParam] = []
+    buffers: _Buffers = []
+    nested: List[Tuple[str, Unit]] = []
+    seen: Set[int] = set()
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        for attr, param in mod._parameters.items():
+            if param is not None:
+                params.append(OrigParam(join_name(prefix, attr), prefix, mod, attr, param))
+        buffers.extend((mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
+        for child_name, child in mod._modules.items():
+            if child is None:
+                continue
+            child_prefix = join_name(prefix, child_name)
+            if isinstance(child, wrapper_cls):
+                child_unit = unit_of(child)
+                nested.append((child_prefix, child_unit))
+                nested.extend((join_name(child_prefix, name), unit) for name, unit in child_unit.descendants)
+            else:
+                visit(child, child_prefix)
+
+    visit(module, "")
+    return params, buffers, nested
+
+
+def _check_params(params: List[OrigParam]) -> None:
+    for p in params:
+        if isinstance(p.param, FlatParameter):
+            where = f"module '{p.module_name}'" if p.module_name else "the module"
+            raise ValueError(
+                f"{where} ({type(p.module).__name__}) is already wrapped by "
+                f"a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put "
+                f"the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))"
+            )
+        if p.param.device.type == "meta":
+            raise NotImplementedError(f"parameter '{p.name}' is on the meta device: deferred initialisation {_LATER}")
+        if not p.param.is_floating_point():
+            raise TypeError(
+                f"parameter '{p.name}' has dtype {p.param.dtype}; ShardedDataParallel shards "
+                f"floating-point parameters only (register integer or boolean state as a buffer)"
+            )
+    _check_uniform(params, lambda p: p.param.dtype, "dtype", "cast the module to one dtype")
+    _check_uniform(
+        params,
+        lambda p: p.param.requires_grad,
+        "requires_grad",
+        "set requires_grad alike for all of them",
+    )
+
+
+def _check_uniform(params: List[OrigParam], key: Any, what: str, advice: str) -> None:
+    """All of a unit's parameters share one flat tensor, so they must agree on ``what``."""
+    groups: Dict[Any, List[str]] = {}
+    for p in params:
+        groups.setdefault(key(p), []).append(p.name)
+    if len(groups) > 1:
+        listing = "; ".join(f"{what}={value}: {_some(names)}" for value, names in groups.items())
+        raise ValueError(
+            f"a unit flattens its parameters into one tensor, so they must share one {what}, "
+            f"but they differ: {listing}. Either {advice}, or wrap such parameters' modules "
+            f"in separate ShardedDataParallel units"
+        )
+
+
+def _some(names: List[str], limit: int = 4) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]]) -> None:
+    """A parameter flattened by a nested unit must not be used outside it, and no parameter
+    may be flattened by two nested units (both would train separate copies)."""
+    owner: Dict[int, Tuple[str, str]] = {}
+    for unit_name, unit in nested:
+        if unit.handle is None:
+            continue
+        for param, name in unit.handle.originals():
+            full_name = join_name(unit_name, name)
+            if id(param) in owner:
+                other_unit, other_name = owner[id(param)]
+                raise ValueError(
+                    f"parameter '{other_name}' is shared with '{full_name}', but they were flattened "
+                    f"by two different units ({display_name(other_unit)} and {display_name(unit_name)}), "
+                    f"which would train two separate copies; wrap a module that contains both users instead"
+                )
+            owner[id(param)] = (unit_name, full_name)
+    for p in params:
+        hit = owner.get(id(p.param))
+        if hit is not None:
+            raise ValueError(
+                f"parameter '{hit[1]}' is shared with '{p.name}', but the nested unit "
+                f"{display_name(hit[0])} already flattened it while module {display_name(p.module_name)} "
+                f"outside that unit also uses it; do not wrap {display_name(hit[0])} separately "
+                f"(or wrap a module that contains both users)"
+            )
+
+
+# -- device -------------------------------------------------------------------------------
+
+
+def _as_device(device_id: Any) -> torch.device:
+    if isinstance(device_id, (int, str, torch.device)) and not isinstance(device_id, bool):
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device_id is {device_id!r} but CUDA is not available on this machine")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    raise TypeError(f"device_id must be an int, a torch.device or None; got {device_id!r}")
+
+
+def _resolve_device(
+    device_id: Any,
+    params: List[OrigParam],
+    buffers: _Buffers,
+    nested: List[Tuple[str, Unit]],
+    group: ProcessGroup,
+) -> torch.device:
+    """The compute device: ``device_id`` if given (parameters on the CPU move there), else
+    the device the parameters are on."""
+    tensors: Iterable[Tuple[str, torch.Tensor]] = [(p.name, p.param) for p in params] + [
+        (join_name(type(m).__name__, a), b) for m, a, b in buffers
+    ]
+    placed = [(name, t.device) for name, t in tensors if t.device.type != "cpu"]
+    if device_id is not None:
+        device = _as_device(device_id)
+        wrong = [(n, d) for n, d in placed if d != device]
+        if wrong:
+            raise ValueError(f"device_id is {device} but '{wrong[0][0]}' is on {wrong[0][1]}; move the module to the CPU or to {device}")
+    elif placed:
+        device = placed[0][1]
+        wrong = [(n, d) for n, d in placed if d != device]
+        if wrong:
+            raise ValueError(
+                f"the module is spread over devices: '{placed[0][0]}' is on {device} but '{wrong[0][0]}' "
+                f"is on {wrong[0][1]}; move it to one device or pass device_id"
+            )
+    else:
+        device = torch.device("cpu")
+        if "nccl" in backend_of(group):
+            raise ValueError(
+                "the module is on the CPU but the process group's backend is nccl, which "
+                "communicates CUDA tensors only; pass device_id (e.g. torch.cuda.current_device())"
+            )
+    for name, unit in nested:
+        if unit.device != device:
+            raise ValueError(f"nested unit {display_name(name)} computes on {unit.device} but this unit on {device}")
+    return device
+
+
+def _move_to(device: torch.device, params: List[OrigParam], buffers: _Buffers) -> None:
+    with torch.no_grad():
+        for p in params:
+            if p.param.device != device:
+                p.param.data = p.param.data.to(device)
+        for module, attr, buf in buffers:
+            if buf.device != device:
+                module._buffers[attr] = buf.to(device)

@@ -1,0 +1,305 @@
+"""``FlatParameter`` and ``FlatParamHandle``: one unit's parameters as a single flat tensor.
+
+A handle takes a unit's original parameters, concatenates them (each shared parameter once)
+into one flat tensor, pads it to a multiple of the world size and keeps only this rank's
+equal-sized shard as the ``FlatParameter`` the optimizer sees. For compute it all-gathers the
+full flat tensor and puts views of it on the modules in place of the original parameters;
+after backward it reduce-scatters the full gradient into the shard's ``.grad``.
+
+[Note: two tensors per handle] The ``FlatParameter`` always holds the shard, so its shape
+never changes and optimizers, ``.grad`` and ``zero_grad`` behave as for any parameter. A
+second tensor, the *full* flat tensor, is what the module views point into and what autograd
+accumulates the unsharded gradient into (``grad_leaf``). Its storage is freed between uses
+(see [Note: storage freeing] in ``_common``). Under ``NO_SHARD`` the two are one tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._collectives import ProcessGroup, all_gather_flat, all_reduce_mean, rank_of, reduce_scatter_mean, size_of
+from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
+from ._placeholder import ParamPlaceholder
+
+__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam"]
+
+
+class FlatParameter(nn.Parameter):
+    """The parameter of one unit that the optimizer updates.
+
+    It holds this rank's shard of the unit's flattened (and padded) original parameters, or
+    all of them under ``NO_SHARD``. Its :class:`FlatParamHandle` knows the layout.
+    """
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
+        return super().__new__(cls, data, requires_grad)  # type: ignore[call-arg]
+
+
+@dataclass(frozen=True)
+class OrigParam:
+    """One registration of an original parameter in the tree of the module being wrapped."""
+
+    name: str  # e.g. "blocks.0.fc.weight", relative to the wrapped module
+    module_name: str
+    module: nn.Module
+    attr_name: str
+    param: nn.Parameter
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Layout of one original parameter inside the (unpadded) flat tensor."""
+
+    name: str
+    module_name: str
+    attr_name: str
+    shape: torch.Size
+    numel: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A further registration of an already flattened parameter (a tied weight)."""
+
+    name: str
+    module_name: str
+    attr_name: str
+    primary: int  # index into ``param_infos``
+
+
+@dataclass(frozen=True)
+class ShardParamInfo:
+    """The part of one original parameter that a rank's shard holds."""
+
+    index: int  # into ``param_infos``
+    param_offset: int  # first element held, counted in the flattened parameter
+    shard_offset: int  # where that element sits in the shard
+    numel: int
+
+
+def shard_param_infos(infos: Sequence[ParamInfo], shard_numel: int, rank: int) -> Tuple[ShardParamInfo, ...]:
+    """Which original parameters (and which of their elements) ``rank``'s shard holds."""
+    start, end = rank * shard_numel, (rank + 1) * shard_numel
+    held = []
+    for index, info in enumerate(infos):
+        lo, hi = max(start, info.offset), min(end, info.offset + info.numel)
+        if lo < hi:
+            held.append(ShardParamInfo(index, lo - info.offset, lo - start, hi - lo))
+    return tuple(held)
+
+
+class FlatParamHandle:
+    """Owns one unit's ``FlatParameter``: flattening, sharding, unshard/reshard, gradient reduction.
+
+    Construction removes the original parameters from their modules and registers the
+    ``FlatParameter`` on ``owner`` as ``_flat_param``. Callers pass only valid parameters: one
+    floating dtype, one ``requires_grad`` value, one device (``_init`` checks and names them).
+
+    Args:
+        params: every registration of the unit's original parameters, in module order; a
+            parameter registered twice (tied) is flattened once.
+        owner: the wrapped module the ``FlatParameter`` is registered on.
+        device: where the flat tensors live.
+        group: the process group the parameters are sharded over.
+        sharded: shard over ``group`` (``False``: keep everything, all-reduce gradients).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[OrigParam],
+        owner: nn.Module,
+        device: torch.device,
+        group: ProcessGroup,
+        sharded: bool,
+    ) -> None:
+        if not params:
+            raise AssertionError("a FlatParamHandle needs at least one parameter")
+        self.group = group
+        self.rank = rank_of(group)
+        self.world_size = size_of(group)
+        self.sharded = sharded and self.world_size > 1
+        self.device = device
+        self.dtype = params[0].param.dtype
+        self.requires_grad = params[0].param.requires_grad
+        primaries, self.param_infos, self.shared_param_infos, slots = _layout(params)
+        self.numel = sum(info.numel for info in self.param_infos)
+        self.padded_numel = math.ceil(self.numel / self.world_size) * self.world_size if self.sharded else self.numel
+        self.shard_numel = self.padded_numel // self.world_size if self.sharded else self.numel
+        self.shard_param_infos = shard_param_infos(self.param_infos, self.shard_numel, self.rank if self.sharded else 0)
+        self._split_sizes = [info.numel for info in self.param_infos]
+        if self.padded_numel > self.numel:
+            self._split_sizes.append(self.padded_numel - self.numel)
+        # Where each view goes: (module, attribute, index of the original parameter).
+        self._slots: List[Tuple[nn.Module, str, int]] = slots
+        # The original parameter objects, weakly (by id, checked by identity: tensors'
+        # ``==`` is elementwise, so weak sets cannot hold them): lets a later wrapper
+        # recognise a tied parameter this unit already flattened without keeping it alive.
+        self._originals: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {
+            id(p.param): (weakref.ref(p.param), p.name) for p in primaries
+        }
+
+        full = _flatten([p.param for p in primaries], self.padded_numel, device)
+        if self.sharded:
+            start = self.rank * self.shard_numel
+            self.flat_param = FlatParameter(full[start : start + self.shard_numel].clone(), self.requires_grad)
+            self._full = full.requires_grad_(self.requires_grad)
+        else:
+            self.flat_param = FlatParameter(full, self.requires_grad)
+            self._full = self.flat_param
+        # Writes go through this alias: it shares the storage but not the version counter,
+        # so refilling the storage does not invalidate views autograd saved in forward.
+        self._full_data = self._full.data
+        self._placeholders = [
+            ParamPlaceholder(info.name, info.shape, self.dtype, self.requires_grad) for info in self.param_infos
+        ]
+        self.state = HandleState.UNSHARDED
+        for p in params:
+            p.module._parameters.pop(p.attr_name, None)
+        owner.register_parameter(FLAT_PARAM, self.flat_param)
+        if self.sharded:
+            self.reshard()
+        else:
+            self.use_views(track_grad=False)
+
+    # -- layout -------------------------------------------------------------------------
+
+    def originals(self) -> List[Tuple[nn.Parameter, str]]:
+        """The original parameters this handle flattened that are still alive, with names."""
+        alive = [(ref(), name) for ref, name in self._originals.values()]
+        return [(param, name) for param, name in alive if param is not None]
+
+    def describe(self) -> str:
+        """The layout in one line, e.g. for telling which unit differs between ranks."""
+        params = ", ".join(f"{i.name} {tuple(i.shape)}" for i in self.param_infos)
+        tied = "".join(f", {s.name} = {self.param_infos[s.primary].name}" for s in self.shared_param_infos)
+        return f"{self.dtype}, requires_grad={self.requires_grad}: {params}{tied}"
+
+    # -- unshard / reshard --------------------------------------------------------------
+
+    @property
+    def grad_leaf(self) -> torch.Tensor:
+        """The full flat tensor autograd accumulates this unit's unsharded gradient into."""
+        return self._full
+
+    def unshard(self) -> bool:
+        """Materialise the full flat tensor (all-gather); ``False`` if it already was."""
+        if self.state is HandleState.UNSHARDED:
+            return False
+        alloc_storage(self._full_data, self.padded_numel)
+        all_gather_flat(self._full_data, self.flat_param.detach(), self.group)
+        self.state = HandleState.UNSHARDED
+        return True
+
+    def reshard(self) -> bool:
+        """Free the full flat tensor; ``False`` if there is nothing to free (``NO_SHARD``)."""
+        if not self.sharded or self.state is HandleState.SHARDED:
+            return False
+        self.drop_views()
+        free_storage(self._full_data)
+        self.state = HandleState.SHARDED
+        return True
+
+    def use_views(self, track_grad: bool) -> None:
+        """Put views of the full flat tensor on the modules in place of the original parameters.
+
+        With ``track_grad`` the views are made under autograd, so gradients flow into
+        ``grad_leaf``; without it they are plain aliases (for ``no_grad`` forwards).
+        """
+        if self.state is not HandleState.UNSHARDED:
+            raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
+        with torch.set_grad_enabled(track_grad and self.requires_grad):
+            chunks = self._full.split(self._split_sizes)
+            views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
+        for module, attr, index in self._slots:
+            module.__dict__[attr] = views[index]
+
+    def drop_views(self) -> None:
+        """Replace the views on the modules by placeholders (see [Note: placeholders])."""
+        for module, attr, index in self._slots:
+            module.__dict__[attr] = self._placeholders[index]
+
+    def named_full_views(self) -> List[Tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every registration, tied ones included; needs UNSHARDED."""
+        if self.state is not HandleState.UNSHARDED:
+            raise AssertionError(f"[rank {self.rank}] full views requested while {self.state.name}")
+        chunks = self._full_data.split(self._split_sizes)
+        views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
+        named = [(info.name, views[i]) for i, info in enumerate(self.param_infos)]
+        return named + [(s.name, views[s.primary]) for s in self.shared_param_infos]
+
+    def full_storage_bytes(self) -> int:
+        """Bytes the full flat tensor holds right now (0 when resharded, unless ``NO_SHARD``)."""
+        return storage_bytes(self._full_data)
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def has_unreduced_grad(self) -> bool:
+        """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
+        return self.sharded and self._full.grad is not None
+
+    def reduce_grad(self) -> None:
+        """Average the accumulated full gradient over the ranks into ``flat_param.grad``.
+
+        Sharded: reduce-scatter into a new shard gradient, added to an existing ``.grad`` (a
+        gradient the user did not zero), then drop the full gradient. ``NO_SHARD``: the full
+        gradient *is* ``flat_param.grad``; all-reduce it in place.
+        """
+        full_grad = self._full.grad
+        if full_grad is None:
+            return
+        if not self.sharded:
+            if self.world_size > 1:
+                all_reduce_mean(full_grad, self.group)
+            return
+        shard_grad = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
+        reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.group)
+        self._full.grad = None
+        if self.flat_param.grad is None:
+            self.flat_param.grad = shard_grad
+        else:
+            self.flat_param.grad.add_(shard_grad)
+
+
+_Layout = Tuple[List[OrigParam], Tuple[ParamInfo, ...], Tuple[SharedParamInfo, ...], List[Tuple[nn.Module, str, int]]]
+
+
+def _layout(params: Sequence[OrigParam]) -> _Layout:
+    """Split registrations into primaries (first registration of each parameter object) and
+    shared ones, lay the primaries out one after another, and list every registration's
+    (module, attribute, primary index)."""
+    primaries: List[OrigParam] = []
+    index_of: Dict[int, int] = {}
+    infos: List[ParamInfo] = []
+    shared: List[SharedParamInfo] = []
+    slots: List[Tuple[nn.Module, str, int]] = []
+    offset = 0
+    for p in params:
+        index = index_of.get(id(p.param))
+        if index is not None:
+            shared.append(SharedParamInfo(p.name, p.module_name, p.attr_name, index))
+        else:
+            index = index_of[id(p.param)] = len(primaries)
+            primaries.append(p)
+            infos.append(ParamInfo(p.name, p.module_name, p.attr_name, p.param.shape, p.param.numel(), offset))
+            offset += p.param.numel()
+        slots.append((p.module, p.attr_name, index))
+    return primaries, tuple(infos), tuple(shared), slots
+
+
+def _flatten(params: Sequence[nn.Parameter], padded_numel: int, device: torch.device) -> torch.Tensor:
+    """A new 1-D tensor on ``device``: the parameters' values one after another, zero padded."""
+    dtype = params[0].dtype
+    flat = torch.zeros(padded_numel, dtype=dtype, device=device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+    return flat

@@ -1,0 +1,216 @@
+"""``ShardedDataParallel``: the public wrapper. Thin: construction lives in ``_init``, the
+forward/backward machinery in ``_runtime``, flattening and sharding in ``flat_param``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+
+from ._collectives import ProcessGroup
+from ._common import WRAPPED_MODULE, TrainingState, display_name
+from ._init import build_unit
+from ._runtime import lazy_init, no_sync, run_forward
+from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .flat_param import FlatParamHandle
+
+__all__ = ["ShardedDataParallel"]
+
+
+class ShardedDataParallel(nn.Module):
+    """Shards a module's parameters, gradients and optimizer state over the ranks.
+
+    The parameters of ``module`` that no nested ``ShardedDataParallel`` owns are flattened
+    into one ``FlatParameter`` of which each rank keeps an equal shard. The full parameters
+    are all-gathered just before this unit computes (forward and backward) and freed after;
+    gradients are reduce-scattered so each rank keeps the mean gradient of its shard. Build
+    nested wrappers first (innermost first) so each unit holds only part of the model.
+
+    The arguments are those of ``torch.distributed.fsdp.FullyShardedDataParallel``.
+
+    Args:
+        module: the module to wrap.
+        process_group: the ranks to shard over (default: the default process group).
+        sharding_strategy: a ``ShardingStrategy`` (default ``FULL_SHARD``).
+        cpu_offload: ``CPUOffload(offload_params=False)`` or ``None``.
+        auto_wrap_policy: not supported yet (``NotImplementedError``).
+        backward_prefetch: ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``: when the
+            next unit's all-gather is issued in backward.
+        mixed_precision: ``None`` (a ``MixedPrecision`` with dtypes: not supported yet).
+        ignored_modules: not supported yet.
+        param_init_fn: not supported yet.
+        device_id: the compute device (an int is a CUDA index); parameters on the CPU are
+            moved there. Default: the device the parameters are on.
+        sync_module_states: ``False`` (``True``: not supported yet).
+        forward_prefetch: issue the next unit's all-gather (by the first iteration's order)
+            before this unit's forward computes.
+        limit_all_gathers: bound the number of gathered units. Collectives are synchronous
+            for now, so at most the computing unit and one prefetched unit are gathered
+            beyond the root (and ``SHARD_GRAD_OP`` units kept for backward).
+        use_orig_params: ``False`` (``True``: not supported yet).
+        ignored_states: not supported yet.
+        device_mesh: a 1-D ``DeviceMesh`` instead of ``process_group``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[ProcessGroup] = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Optional[Callable[..., Any]] = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Optional[Iterable[Any]] = None,
+        device_mesh: Optional[Any] = None,
+    ) -> None:
+        super().__init__()
+        options = dict(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        self._unit = build_unit(module, ShardedDataParallel, options)
+        self._fsdp_wrapped_module = module
+
+    # -- the wrapped module -------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in (WRAPPED_MODULE, "_unit"):
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    # -- properties in FSDP1's names ----------------------------------------------------------
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._unit.config.sharding_strategy
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return self._unit.config.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._unit.config.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return self._unit.config.limit_all_gathers
+
+    @property
+    def process_group(self) -> ProcessGroup:
+        return self._unit.group
+
+    @property
+    def rank(self) -> int:
+        return self._unit.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._unit.world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._unit.device
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._unit.training_state
+
+    @property
+    def handle(self) -> Optional[FlatParamHandle]:
+        """The handle of this unit's ``FlatParameter`` (``None`` if it owns no parameters)."""
+        return self._unit.handle
+
+    # -- running ------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unit.ctx is None:
+            lazy_init(self._unit)
+        return run_forward(self._unit, self._fsdp_wrapped_module, args, kwargs)
+
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
+        if self._unit.ctx is None:
+            lazy_init(self._unit)
+        return self._unit.is_root
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication: backward passes inside accumulate unsharded
+        gradients locally; the next backward outside reduces their sum. Call on the root.
+        Gradients stay unsharded meanwhile, so this costs full-gradient memory per unit."""
+        if not self.check_is_root():
+            raise RuntimeError(
+                f"no_sync() must be called on the root ShardedDataParallel, not on the nested "
+                f"unit {display_name(self._unit.name)}"
+            )
+        with no_sync([self._unit] + [unit for _, unit in self._unit.descendants]):
+            yield
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["ShardedDataParallel"]:
+        """Every ``ShardedDataParallel`` in ``module``'s tree (``module`` included), in module
+        order; with ``root_only``, only those not nested inside another one."""
+        found = [m for m in module.modules() if isinstance(m, ShardedDataParallel)]
+        if not root_only:
+            return found
+        return [m for m in found if m._unit.parent is None]
+
+    # -- checkpoints (later) ------------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise NotImplementedError("state_dict() of a ShardedDataParallel model is not supported yet")
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        raise NotImplementedError("load_state_dict() of a ShardedDataParallel model is not supported yet")
+
+    # -- display ------------------------------------------------------------------------------
+
+    def extra_repr(self) -> str:
+        unit = self._unit
+        text = f"{unit.config.sharding_strategy.name}, world_size={unit.world_size}, device={unit.device}"
+        handle = unit.handle
+        if handle is None:
+            return text + ", no parameters of its own"
+        return (
+            text + f", {len(handle.param_infos)} parameters, {handle.numel:,} elements "
+            f"({handle.shard_numel:,} on this rank)"
+        )
+
+    def __repr__(self) -> str:
+        inner = repr(self._fsdp_wrapped_module).replace("\n", "\n  ")
+        return f"{type(self).__name__}({self.extra_repr()}\n  (module): {inner}\n)"

@@ -1,0 +1,156 @@
+"""A pool of long-lived rank processes for multi-rank tests.
+
+Spawning a process and importing torch costs seconds, so the pool starts its workers once per
+test session. Each task runs ``fn(rank, world_size, *args)`` on workers ``0..world_size-1``
+inside a fresh process group (gloo unless asked otherwise) (file:// rendezvous: no ports to race for), which is
+destroyed afterwards. A rank's exception is re-raised in the test process with the rank's
+traceback attached; ranks that do not answer in time are killed and replaced, and the test
+fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+MAX_WORLD_SIZE = 4
+COLLECTIVE_TIMEOUT_S = 60
+
+
+class RankFailure(AssertionError):
+    """A rank raised an exception that could not be re-raised as itself."""
+
+
+def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        task_id, fn, world_size, backend, init_file, args, kwargs = task
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(index)
+            dist.init_process_group(
+                backend,
+                init_method=f"file://{init_file}",
+                rank=index,
+                world_size=world_size,
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            )
+            torch.manual_seed(1234 + index)  # tests seed what they compare; this only decorrelates
+            outcome = (True, fn(index, world_size, *args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(exc)
+                outcome = (False, (exc, text))
+            except Exception:  # noqa: BLE001
+                outcome = (False, (RankFailure(f"{type(exc).__name__}: {exc}"), text))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        results.put((task_id, index, outcome))
+
+
+class RankPool:
+    """Runs a function on ``world_size`` ranks at a time; see the module docstring."""
+
+    def __init__(self, size: int = MAX_WORLD_SIZE) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._size = size
+        self._results: "mp.Queue[Any]" = self._ctx.Queue()
+        self._workers: List[Optional[Any]] = [None] * size
+        self._tasks: List[Optional["mp.Queue[Any]"]] = [None] * size
+        self._dir = tempfile.mkdtemp(prefix="flatshard-pool-")
+        self._next_task = 0
+
+    def _ensure(self, index: int) -> None:
+        worker = self._workers[index]
+        if worker is not None and worker.is_alive():
+            return
+        tasks = self._ctx.Queue()
+        worker = self._ctx.Process(target=_worker, args=(index, tasks, self._results), daemon=True)
+        worker.start()
+        self._workers[index], self._tasks[index] = worker, tasks
+
+    def _replace(self, index: int) -> None:
+        worker = self._workers[index]
+        if worker is not None:
+            worker.kill()
+            worker.join()
+        self._workers[index] = None
+        self._ensure(index)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *args: Any,
+        timeout: float = 180.0,
+        backend: str = "gloo",
+        **kwargs: Any,
+    ) -> List[Any]:
+        """``[fn(rank, world_size, *args, **kwargs) for each rank]``, computed by the ranks
+        (rank ``r`` uses CUDA device ``r`` when ``backend`` is nccl)."""
+        if not 1 <= world_size <= self._size:
+            raise ValueError(f"world_size must be in 1..{self._size}; got {world_size}")
+        for index in range(world_size):
+            self._ensure(index)
+        self._next_task += 1
+        task_id = self._next_task
+        init_file = os.path.join(self._dir, f"rendezvous-{task_id}")
+        for index in range(world_size):
+            self._tasks[index].put((task_id, fn, world_size, backend, init_file, args, kwargs))  # type: ignore[union-attr]
+        outcomes = self._collect(task_id, world_size, timeout)
+        failures = [(rank, outcomes[rank][1]) for rank in range(world_size) if rank in outcomes and not outcomes[rank][0]]
+        missing = [rank for rank in range(world_size) if rank not in outcomes]
+        if failures:
+            rank, (exc, text) = failures[0]
+            others = "".join(f"\n--- rank {r} also failed:\n{t}" for r, (_, t) in failures[1:])
+            note = f"--- raised on rank {rank} of {world_size}:\n{text}{others}"
+            if missing:
+                note += f"\n--- ranks {missing} did not finish (killed)"
+            exc.add_note(note)
+            raise exc
+        if missing:
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks {missing} of {world_size} did not finish within {timeout}s (killed)")
+        return [outcomes[rank][1] for rank in range(world_size)]
+
+    def _collect(self, task_id: int, world_size: int, timeout: float) -> dict:
+        outcomes: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < world_size:
+            # Once a rank failed, the others may be stuck in a collective it skipped.
+            if any(not ok for ok, _ in outcomes.values()):
+                deadline = min(deadline, time.monotonic() + 10.0)
+            try:
+                got_id, index, outcome = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if got_id == task_id:
+                outcomes[index] = outcome
+        for index in range(world_size):
+            if index not in outcomes:
+                self._replace(index)
+        return outcomes
+
+    def close(self) -> None:
+        for index, worker in enumerate(self._workers):
+            if worker is not None and worker.is_alive():
+                self._tasks[index].put(None)  # type: ignore[union-attr]
+        for worker in self._workers:
+            if worker is not None:
+                worker.join(timeout=10)
+                if worker.is_alive():
+                    worker.kill()

@@ -1,0 +1,264 @@
+"""Construction errors: immediate, specific, naming parameters and modules as the user does."""
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from expecttest import TestCase
+from torch import nn
+
+from flatshard import CPUOffload, MixedPrecision, ShardedDataParallel, ShardingStrategy
+from tests._models import Block, build, wrap
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+
+def _error(rank, world_size, case):
+    """Run ``case`` and return (exception type name, message), or None if nothing was raised."""
+    try:
+        CASES[case]()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _mixed_dtype():
+    module = Pair()
+    module.b.double()
+    ShardedDataParallel(module)
+
+
+def _mixed_requires_grad():
+    module = Pair()
+    module.a.requires_grad_(False)
+    ShardedDataParallel(module)
+
+
+def _integer_param():
+    module = Pair()
+    module.a.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    ShardedDataParallel(module)
+
+
+def _complex_param():
+    module = Pair()
+    module.b.phase = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    ShardedDataParallel(module)
+
+
+def _wrap_wrapper():
+    ShardedDataParallel(ShardedDataParallel(Pair()))
+
+
+def _wrap_module_twice():
+    module = Pair()
+    ShardedDataParallel(module)
+    ShardedDataParallel(module)
+
+
+def _wrapped_child_not_put_back():
+    model = build()
+    ShardedDataParallel(model.blocks[1])  # the wrapper is dropped, the block keeps a FlatParameter
+    ShardedDataParallel(model)
+
+
+def _tie_split_inner_outer():
+    model = build()
+    model.embed = ShardedDataParallel(model.embed)  # head.weight is the same parameter
+    ShardedDataParallel(model)
+
+
+def _tie_split_siblings():
+    model = build()
+    model.embed = ShardedDataParallel(model.embed)
+    model.head = ShardedDataParallel(model.head)
+
+
+def _tie_split_siblings_then_root():
+    _tie_split_siblings_model()
+
+
+def _tie_split_siblings_model():
+    model = build()
+    model.embed = ShardedDataParallel(model.embed)
+    model.head = ShardedDataParallel(model.head)
+    ShardedDataParallel(model)
+
+
+def _option(**options):
+    return lambda: ShardedDataParallel(Pair(), **options)
+
+
+CASES = {
+    "mixed_dtype": _mixed_dtype,
+    "mixed_requires_grad": _mixed_requires_grad,
+    "integer_param": _integer_param,
+    "complex_param": _complex_param,
+    "wrap_wrapper": _wrap_wrapper,
+    "wrap_module_twice": _wrap_module_twice,
+    "wrapped_child_not_put_back": _wrapped_child_not_put_back,
+    "tie_split_inner_outer": _tie_split_inner_outer,
+    "tie_split_siblings": _tie_split_siblings,
+    "tie_split_siblings_then_root": _tie_split_siblings_then_root,
+    "not_a_module": lambda: ShardedDataParallel(torch.zeros(2)),
+    "strategy_string": _option(sharding_strategy="FULL_SHARD"),
+    "prefetch_string": _option(backward_prefetch="BACKWARD_PRE"),
+    "flag_not_bool": _option(forward_prefetch=1),
+    "device_id_type": _option(device_id=1.5),
+    "device_id_cuda_missing": _option(device_id=0),
+    "group_and_mesh": _option(process_group=torch.distributed.group.WORLD, device_mesh=object()),
+    "meta_module": lambda: ShardedDataParallel(Pair().to("meta")),
+    "hybrid": _option(sharding_strategy=ShardingStrategy.HYBRID_SHARD),
+    "hybrid_zero2": _option(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
+    "group_pair": _option(process_group=(torch.distributed.group.WORLD, torch.distributed.group.WORLD)),
+    "offload": _option(cpu_offload=CPUOffload(offload_params=True)),
+    "auto_wrap": _option(auto_wrap_policy=lambda *a, **k: False),
+    "mixed_precision": _option(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
+    "ignored_modules": lambda: _ignored(),
+    "ignored_states": _option(ignored_states=[nn.Parameter(torch.zeros(1))]),
+    "param_init_fn": _option(param_init_fn=lambda m: None),
+    "sync_module_states": _option(sync_module_states=True),
+    "use_orig_params": _option(use_orig_params=True),
+}
+
+
+def _ignored():
+    module = Pair()
+    ShardedDataParallel(module, ignored_modules=[module.a])
+
+
+def _accepted(rank, world_size):
+    """Options that are accepted: torch FSDP1's own enums/configs, and no-op configurations."""
+    model = ShardedDataParallel(
+        Pair(),
+        sharding_strategy=torch_fsdp.ShardingStrategy.SHARD_GRAD_OP,
+        backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST,
+        cpu_offload=torch_fsdp.CPUOffload(offload_params=False),
+        mixed_precision=MixedPrecision(),
+        ignored_modules=[],
+        device_id=torch.device("cpu"),
+        limit_all_gathers=False,
+    )
+    return model.sharding_strategy, model.backward_prefetch, model.limit_all_gathers
+
+
+def _no_sync_on_inner(rank, world_size):
+    model = wrap(build(), "nested")
+    with model.blocks[0].no_sync():
+        pass
+
+
+class ErrorTest(TestCase):
+    def error(self, case):
+        (result,) = self.pool.run(_error, 1, case)
+        self.assertIsNotNone(result, f"{case} raised nothing")
+        return ": ".join(result)
+
+    def test_mixed_dtype(self):
+        self.assertExpectedInline(
+            self.error("mixed_dtype"),
+            """ValueError: a unit flattens its parameters into one tensor, so they must share one dtype, but they differ: dtype=torch.float32: 'a.weight', 'a.bias'; dtype=torch.float64: 'b.weight', 'b.bias'. Either cast the module to one dtype, or wrap such parameters' modules in separate ShardedDataParallel units""",
+        )
+
+    def test_mixed_requires_grad(self):
+        self.assertExpectedInline(
+            self.error("mixed_requires_grad"),
+            """ValueError: a unit flattens its parameters into one tensor, so they must share one requires_grad, but they differ: requires_grad=False: 'a.weight', 'a.bias'; requires_grad=True: 'b.weight', 'b.bias'. Either set requires_grad alike for all of them, or wrap such parameters' modules in separate ShardedDataParallel units""",
+        )
+
+    def test_integer_and_other_non_floating_parameters(self):
+        self.assertExpectedInline(
+            self.error("integer_param"),
+            """TypeError: parameter 'a.steps' has dtype torch.int64; ShardedDataParallel shards floating-point parameters only (register integer or boolean state as a buffer)""",
+        )
+        self.assertExpectedInline(
+            self.error("complex_param"),
+            """TypeError: parameter 'b.phase' has dtype torch.complex64; ShardedDataParallel shards floating-point parameters only (register integer or boolean state as a buffer)""",
+        )
+
+    def test_wrapping_twice(self):
+        self.assertExpectedInline(
+            self.error("wrap_wrapper"),
+            """ValueError: module is already a ShardedDataParallel (of Pair); wrap each module once""",
+        )
+        self.assertExpectedInline(
+            self.error("wrap_module_twice"),
+            """ValueError: the module (Pair) is already wrapped by a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))""",
+        )
+        self.assertExpectedInline(
+            self.error("wrapped_child_not_put_back"),
+            """ValueError: module 'blocks.1' (Block) is already wrapped by a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))""",
+        )
+
+    def test_tied_parameter_split_across_units(self):
+        self.assertExpectedInline(
+            self.error("tie_split_inner_outer"),
+            """ValueError: parameter 'embed.weight' is shared with 'head.weight', but the nested unit 'embed' already flattened it while module 'head' outside that unit also uses it; do not wrap 'embed' separately (or wrap a module that contains both users)""",
+        )
+        self.assertExpectedInline(
+            self.error("tie_split_siblings_then_root"),
+            """ValueError: parameter 'embed.weight' is shared with 'head.weight', but they were flattened by two different units ('embed' and 'head'), which would train two separate copies; wrap a module that contains both users instead""",
+        )
+
+    def test_bad_option_values(self):
+        self.assertExpectedInline(
+            self.error("not_a_module"), """TypeError: module must be a torch.nn.Module; got Tensor"""
+        )
+        self.assertExpectedInline(
+            self.error("strategy_string"),
+            """TypeError: sharding_strategy must be one of ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD, ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2 or None; got 'FULL_SHARD'""",
+        )
+        self.assertExpectedInline(
+            self.error("prefetch_string"),
+            """TypeError: backward_prefetch must be one of BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST or None; got 'BACKWARD_PRE'""",
+        )
+        self.assertExpectedInline(
+            self.error("flag_not_bool"), """TypeError: forward_prefetch must be a bool; got 1"""
+        )
+        self.assertExpectedInline(
+            self.error("device_id_type"),
+            """TypeError: device_id must be an int, a torch.device or None; got 1.5""",
+        )
+        self.assertExpectedInline(
+            self.error("group_and_mesh"), """AttributeError: 'object' object has no attribute 'ndim'"""
+        )
+        if not torch.cuda.is_available():
+            self.assertExpectedInline(
+                self.error("device_id_cuda_missing"),
+                """ValueError: device_id is 0 but CUDA is not available on this machine""",
+            )
+
+    def test_unsupported_options_raise_not_implemented_naming_the_option(self):
+        expected = {
+            "meta_module": "parameter 'a.weight' is on the meta device: deferred initialisation is not supported yet",
+            "hybrid": "sharding_strategy=ShardingStrategy.HYBRID_SHARD is not supported yet",
+            "hybrid_zero2": "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 is not supported yet",
+            "group_pair": "process_group as a (shard group, replicate group) pair (hybrid sharding) is not supported yet",
+            "offload": "cpu_offload=CPUOffload(offload_params=True) is not supported yet",
+            "auto_wrap": "auto_wrap_policy is not supported yet; wrap submodules by hand, innermost first",
+            "mixed_precision": "mixed_precision is not supported yet",
+            "ignored_modules": "ignored_modules is not supported yet",
+            "ignored_states": "ignored_states is not supported yet",
+            "param_init_fn": "param_init_fn (deferred initialisation) is not supported yet",
+            "sync_module_states": "sync_module_states=True is not supported yet",
+            "use_orig_params": "use_orig_params=True is not supported yet",
+        }
+        for case, message in expected.items():
+            self.assertEqual(self.error(case), f"NotImplementedError: {message}", case)
+
+    def test_torch_fsdp1_enums_and_no_op_configs_are_accepted(self):
+        (result,) = self.pool.run(_accepted, 1)
+        self.assertEqual(
+            [str(v) for v in result], ["ShardingStrategy.SHARD_GRAD_OP", "BackwardPrefetch.BACKWARD_POST", "False"]
+        )
+
+    def test_no_sync_on_a_nested_unit(self):
+        with self.assertRaisesRegex(RuntimeError, "no_sync\\(\\) must be called on the root ShardedDataParallel, not on the nested unit 'blocks.0'"):
+            self.pool.run(_no_sync_on_inner, 1)
+
+    def test_without_a_process_group(self):
+        with self.assertRaisesRegex(RuntimeError, "needs torch.distributed to be initialised: call torch.distributed.init_process_group"):
+            ShardedDataParallel(Block())

@@ -1,0 +1,32 @@
+"""The README's example runs: by itself (2 spawned CPU ranks) and under torchrun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
+SMALL = ["--steps", "3", "--log-every", "1", "--layers", "2", "--dim", "32"]
+
+
+def _run(cmd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_example_without_arguments_starts_two_cpu_ranks():
+    out = _run([sys.executable, EXAMPLE, *SMALL])
+    assert out.startswith("2 ranks, ")
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3
+    assert "done: 3 steps" in out
+
+
+def test_example_under_torchrun_uses_the_launchers_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", EXAMPLE, *SMALL]
+    out = _run(cmd)
+    assert out.startswith("3 ranks, ")
+    assert "done: 3 steps" in out

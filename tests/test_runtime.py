@@ -1,0 +1,279 @@
+"""Run-time behaviour: when units gather and free, unusual forward/backward patterns, no_sync,
+inference, lazy init and the wrapper's conveniences."""
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from flatshard import ShardedDataParallel, ShardingStrategy
+from flatshard._common import HandleState, TrainingState
+from tests._models import (
+    Out,
+    assert_same_training,
+    batch,
+    build,
+    full_params,
+    global_mean,
+    handles,
+    lm_loss,
+    local,
+    make_optim,
+    wrap,
+)
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+def _logits(out):
+    return out.logits if isinstance(out, Out) else out
+
+
+def _loss(model, tokens, targets):
+    return lm_loss(_logits(model(tokens)), targets)
+
+
+def _two_forwards_one_backward(model, tokens, targets):
+    loss = _loss(model, tokens[:, :3], targets[:, :3]) + _loss(model, tokens, targets)
+    loss.backward()
+    return loss
+
+
+def _two_backwards_without_zero_grad(model, tokens, targets):
+    first = _loss(model, tokens[:, :3], targets[:, :3])
+    first.backward()
+    second = _loss(model, tokens, targets)
+    second.backward()  # accumulates onto the gradient of the first backward
+    return first + second
+
+
+def _plain_step(model, tokens, targets):
+    loss = _loss(model, tokens, targets)
+    loss.backward()
+    return loss
+
+
+def _nested_outputs_step(model, tokens, targets):
+    out = model(tokens)
+    if isinstance(model, ShardedDataParallel) and model.sharding_strategy is ShardingStrategy.FULL_SHARD:
+        # the block outputs were found inside their containers: blocks freed after forward
+        inner = [m.handle for m in ShardedDataParallel.fsdp_modules(model) if m is not model]
+        if any(h.state is not HandleState.SHARDED for h in inner if h is not None):
+            raise AssertionError("a FULL_SHARD block kept its parameters after forward")
+    loss = lm_loss(out.logits, targets)
+    loss.backward()
+    return loss
+
+
+SCENARIOS = {
+    "two_forwards_one_backward": ({}, _two_forwards_one_backward),
+    "two_backwards_without_zero_grad": ({}, _two_backwards_without_zero_grad),
+    "module_used_twice": ({"reuse_first_block": True}, _plain_step),
+    "params_without_gradient": ({"unused": True}, _plain_step),
+    "nested_outputs": ({"nested_output": True}, _nested_outputs_step),
+    "checkpoint_inside_units": ({"checkpoint": "inner"}, _plain_step),
+    "checkpoint_around_units": ({"checkpoint": "outer"}, _plain_step),
+}
+
+
+def _scenario(rank, world_size, name, strategy_name, mode, steps=2):
+    """Both the plain model (global batch) and the wrapped one (local batch) run the scenario's
+    step function; AdamW without weight decay, so a zero gradient equals no gradient."""
+    model_kwargs, step = SCENARIOS[name]
+    reference = build(**model_kwargs)
+    ref_optim = make_optim(reference.parameters(), weight_decay=0.0)
+    model = wrap(build(**model_kwargs), mode, sharding_strategy=ShardingStrategy[strategy_name])
+    optim = make_optim(model.parameters(), weight_decay=0.0)
+    ref_losses, losses = [], []
+    for i in range(steps):
+        tokens, targets = batch(i, world_size)
+        ref_optim.zero_grad()
+        ref_losses.append(step(reference, tokens, targets).item())
+        ref_optim.step()
+        optim.zero_grad()
+        losses.append(global_mean(step(model, local(tokens, rank), local(targets, rank))))
+        optim.step()
+        for h in handles(model):
+            if h.sharded and h.state is not HandleState.SHARDED:
+                raise AssertionError(f"{name}: a handle is {h.state.name} after backward")
+    ref_params = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
+    assert_same_training((ref_losses, ref_params), (losses, full_params(model)))
+
+
+@pytest.mark.parametrize("strategy_name", STRATEGIES)
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_matches_single_process(rank_pool, name, strategy_name):
+    rank_pool.run(_scenario, 2, name, strategy_name, "nested")
+
+
+@pytest.mark.parametrize("name", ["module_used_twice", "params_without_gradient", "nested_outputs"])
+def test_scenario_single_unit_world_size_3(rank_pool, name):
+    rank_pool.run(_scenario, 3, name, "FULL_SHARD", "single")
+
+
+# -- gathering and freeing ---------------------------------------------------------------------
+
+
+def _lifecycle(rank, world_size, strategy_name):
+    """Handle states after forward, after backward, and after no_sync backward."""
+    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy_name])
+    root, inner = model.handle, [m.handle for m in ShardedDataParallel.fsdp_modules(model)[1:]]
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    seen = {}
+    loss = lm_loss(model(tokens), targets)
+    seen["after_forward"] = (root.state.name, sorted({h.state.name for h in inner}))
+    loss.backward()
+    seen["after_backward"] = _states(model)
+    with model.no_sync():
+        lm_loss(model(tokens), targets).backward()
+    seen["after_no_sync_backward"] = _states(model)
+    seen["unreduced_grads_kept"] = all(h.has_unreduced_grad() for h in handles(model)) if root.sharded else None
+    lm_loss(model(tokens), targets).backward()
+    seen["after_synced_backward"] = _states(model)
+    seen["unreduced_grads_left"] = any(h.has_unreduced_grad() for h in handles(model))
+    seen["training_states"] = sorted({m.training_state.name for m in ShardedDataParallel.fsdp_modules(model)})
+    return seen
+
+
+def _states(model):
+    """(states, bytes held by full flat tensors) over all handles."""
+    hs = handles(model)
+    return sorted({h.state.name for h in hs}), sum(h.full_storage_bytes() for h in hs if h.sharded)
+
+
+class LifecycleTest(TestCase):
+    def test_full_shard_frees_after_forward_except_root_and_after_backward(self):
+        for seen in self.pool.run(_lifecycle, 2, "FULL_SHARD"):
+            self.assertEqual(seen["after_forward"], ("UNSHARDED", ["SHARDED"]))
+            for key in ("after_backward", "after_no_sync_backward", "after_synced_backward"):
+                self.assertEqual(seen[key], (["SHARDED"], 0), key)
+            self.assertTrue(seen["unreduced_grads_kept"])
+            self.assertFalse(seen["unreduced_grads_left"])
+            self.assertEqual(seen["training_states"], ["IDLE"])
+
+    def test_shard_grad_op_keeps_parameters_from_forward_to_backward(self):
+        for seen in self.pool.run(_lifecycle, 3, "SHARD_GRAD_OP"):
+            self.assertEqual(seen["after_forward"], ("UNSHARDED", ["UNSHARDED"]))
+            for key in ("after_backward", "after_no_sync_backward", "after_synced_backward"):
+                self.assertEqual(seen[key], (["SHARDED"], 0), key)
+            self.assertFalse(seen["unreduced_grads_left"])
+
+    def test_no_shard_never_frees(self):
+        for seen in self.pool.run(_lifecycle, 2, "NO_SHARD"):
+            self.assertEqual(seen["after_forward"], ("UNSHARDED", ["UNSHARDED"]))
+            self.assertEqual(seen["after_backward"], (["UNSHARDED"], 0))
+            self.assertEqual(seen["training_states"], ["IDLE"])
+
+
+def _inference(rank, world_size, strategy_name):
+    """no_grad, inference_mode and eval forwards: no gradients, nothing left gathered."""
+    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy_name], forward_prefetch=True)
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    lm_loss(model(tokens), targets).backward()  # a training step first: grads exist
+    grads = [h.flat_param.grad.clone() for h in handles(model)]
+    report = {}
+    model.eval()
+    for label, context in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+        with context():
+            out = model(tokens)
+        report[label] = (out.requires_grad, _states(model))
+    model.train()
+    report["grads_untouched"] = all(torch.equal(g, h.flat_param.grad) for g, h in zip(grads, handles(model)))
+    ref = build().eval()
+    with torch.no_grad():
+        expected = ref(tokens)
+        model.eval()
+        report["eval_output_matches"] = torch.allclose(model(tokens), expected, rtol=1e-5, atol=1e-6)
+    return report
+
+
+class InferenceTest(TestCase):
+    def test_no_grad_and_inference_mode_leave_nothing_gathered(self):
+        for strategy_name, gathered in (("FULL_SHARD", "SHARDED"), ("SHARD_GRAD_OP", "SHARDED"), ("NO_SHARD", "UNSHARDED")):
+            for report in self.pool.run(_inference, 2, strategy_name):
+                for label in ("no_grad", "inference_mode"):
+                    self.assertEqual(report[label], (False, ([gathered], 0)), (strategy_name, label))
+                self.assertTrue(report["grads_untouched"])
+                self.assertTrue(report["eval_output_matches"])
+
+
+# -- lazy init, root, conveniences -------------------------------------------------------------
+
+
+def _structure(rank, world_size):
+    model = wrap(build(), "nested")
+    found = ShardedDataParallel.fsdp_modules(model)
+    roots = ShardedDataParallel.fsdp_modules(model, root_only=True)
+    inner = model.blocks[0]
+    report = {
+        "count": len(found),
+        "roots_only_model": roots == [model],
+        "module": type(model.module).__name__,
+        "forwarded_attr": type(model.blocks).__name__,  # attribute of the wrapped module
+        "forwarded_item": type(model.blocks[1]).__name__,
+        "placeholder": (inner.module.fc1.weight.device.type, tuple(inner.module.fc1.weight.shape)),
+        "repr": repr(inner),
+    }
+    report["placeholder_repr"] = repr(inner.module.fc1.weight)
+    report["placeholder_errors"] = []
+    for use in (lambda w: w.sum(), lambda w: torch.nn.init.zeros_(w), lambda w: w.grad):
+        try:
+            use(inner.module.fc1.weight)
+            report["placeholder_errors"].append("no error")
+        except RuntimeError as exc:
+            report["placeholder_errors"].append(str(exc))
+    report["root_is_root"] = model.check_is_root()
+    report["inner_is_root"] = inner.check_is_root()
+    model(local(batch(0, world_size)[0], rank))
+    report["inner_state"] = inner.training_state.name
+    return report
+
+
+class StructureTest(TestCase):
+    def test_root_nesting_and_forwarding(self):
+        report = self.pool.run(_structure, 2)[1]
+        self.assertEqual(report["count"], 4)
+        self.assertTrue(report["roots_only_model"])
+        self.assertEqual(report["module"], "TinyLM")
+        self.assertEqual(report["forwarded_attr"], "ModuleList")
+        self.assertEqual(report["forwarded_item"], "ShardedDataParallel")
+        self.assertEqual(report["placeholder"], ("meta", (16, 8)))
+        self.assertEqual(report["placeholder_repr"], "ParamPlaceholder('fc1.weight', shape=(16, 8), dtype=torch.float32; sharded)")
+        sum_error, init_error, grad_error = report["placeholder_errors"]
+        self.assertExpectedInline(
+            sum_error,
+            """parameter 'fc1.weight' is sharded by ShardedDataParallel: its full value exists only while its unit runs forward or backward, so 'sum' cannot be used on it here (reading or changing full parameters outside forward needs summon_full_params, which is not supported yet); optimizers and gradient clipping work on model.parameters()""",
+        )
+        self.assertIn("so 'zero_' cannot be used", init_error)  # no silent no-op writes
+        self.assertIn("so 'grad' cannot be used", grad_error)
+        self.assertTrue(report["root_is_root"])
+        self.assertFalse(report["inner_is_root"])
+        self.assertEqual(report["inner_state"], TrainingState.IDLE.name)
+        self.assertExpectedInline(
+            report["repr"],
+            """\
+ShardedDataParallel(FULL_SHARD, world_size=2, device=cpu, 6 parameters, 296 elements (148 on this rank)
+  (module): Block(
+    (norm): LayerNorm((8,), eps=1e-05, elementwise_affine=True, bias=True)
+    (fc1): Linear(in_features=8, out_features=16, bias=True)
+    (fc2): Linear(in_features=16, out_features=8, bias=True)
+  )
+)""",
+        )
+
+
+def _divergent(rank, world_size):
+    model = wrap(build(n_blocks=3 if rank == 0 else 2), "nested")
+    model(local(batch(0, world_size)[0], rank))
+
+
+class RankAgreementTest(TestCase):
+    def test_ranks_that_built_different_models_fail_at_first_forward(self):
+        with self.assertRaises(ValueError) as caught:
+            self.pool.run(_divergent, 2, timeout=60)
+        self.assertExpectedInline(
+            str(caught.exception),
+            """\
+[rank 0] the ranks wrapped different models (every rank must build the same units with the same parameters, shapes and dtypes):
+  unit #3: rank 0 has 'blocks.2' (FULL_SHARD, torch.float32, requires_grad=True: norm.weight (8,), norm.bias (8,), fc1.weight (16, 8), fc1.bias (16,), fc2.weight (8, 16), fc2.bias (8,))
+             rank 1 has (no such unit)""",
+        )
