@@ -14,11 +14,12 @@ from torch import nn
 
 from ._collectives import ProcessGroup, backend_of, default_group, require_initialized
 from ._common import coerce_config, coerce_enum, display_name, join_name
-from ._runtime import Unit, UnitConfig
+from ._runtime import register_hooks
+from ._unit import Unit, UnitConfig
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, FlatParamHandle, OrigParam
 
-_Buffers = List[Tuple[nn.Module, str, torch.Tensor]]
+_Buffers = List[Tuple[str, nn.Module, str, torch.Tensor]]  # (name, module, attribute, buffer)
 
 
 def unit_of(wrapper: nn.Module) -> Unit:
@@ -40,8 +41,8 @@ def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[st
     require_initialized()
     group = _resolve_group(options["process_group"], options["device_mesh"])
     params, buffers, nested = _collect(module, wrapper_cls)
-    _check_params(params)
     _check_ties(params, nested)
+    _check_params(params)
     device = _resolve_device(options["device_id"], params, buffers, nested, group)
     _move_to(device, params, buffers)
     handle = None
@@ -49,6 +50,7 @@ def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[st
         sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
         handle = FlatParamHandle(params, module, device, group, sharded)
     unit = Unit(handle, config, group, device)
+    register_hooks(unit)
     unit.adopt(nested)
     return unit
 
@@ -117,7 +119,7 @@ def _collect(module: nn.Module, wrapper_cls: Type[nn.Module]) -> Tuple[List[Orig
         for attr, param in mod._parameters.items():
             if param is not None:
                 params.append(OrigParam(join_name(prefix, attr), prefix, mod, attr, param))
-        buffers.extend((mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
+        buffers.extend((join_name(prefix, attr), mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
         for child_name, child in mod._modules.items():
             if child is None:
                 continue
@@ -141,6 +143,12 @@ def _check_params(params: List[OrigParam]) -> None:
                 f"{where} ({type(p.module).__name__}) is already wrapped by "
                 f"a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put "
                 f"the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))"
+            )
+        if p.param.numel() == 0:
+            raise ValueError(
+                f"parameter '{p.name}' has no elements. If it is tied to a parameter that another "
+                f"ShardedDataParallel already flattened (which empties the original), wrap one module "
+                f"that contains all of its users instead; zero-size parameters are not supported"
             )
         if p.param.device.type == "meta":
             raise NotImplementedError(f"parameter '{p.name}' is on the meta device: deferred initialisation {_LATER}")
@@ -178,22 +186,13 @@ def _some(names: List[str], limit: int = 4) -> str:
 
 
 def _check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]]) -> None:
-    """A parameter flattened by a nested unit must not be used outside it, and no parameter
-    may be flattened by two nested units (both would train separate copies)."""
+    """A parameter that a nested unit flattened must not be used outside it (the outer unit
+    would flatten it again and the two copies would train apart)."""
     owner: Dict[int, Tuple[str, str]] = {}
     for unit_name, unit in nested:
-        if unit.handle is None:
-            continue
-        for param, name in unit.handle.originals():
-            full_name = join_name(unit_name, name)
-            if id(param) in owner:
-                other_unit, other_name = owner[id(param)]
-                raise ValueError(
-                    f"parameter '{other_name}' is shared with '{full_name}', but they were flattened "
-                    f"by two different units ({display_name(other_unit)} and {display_name(unit_name)}), "
-                    f"which would train two separate copies; wrap a module that contains both users instead"
-                )
-            owner[id(param)] = (unit_name, full_name)
+        if unit.handle is not None:
+            for param, name in unit.handle.originals():
+                owner[id(param)] = (unit_name, join_name(unit_name, name))
     for p in params:
         hit = owner.get(id(p.param))
         if hit is not None:
@@ -229,9 +228,11 @@ def _resolve_device(
     """The compute device: ``device_id`` if given (parameters on the CPU move there), else
     the device the parameters are on."""
     tensors: Iterable[Tuple[str, torch.Tensor]] = [(p.name, p.param) for p in params] + [
-        (join_name(type(m).__name__, a), b) for m, a, b in buffers
+        (name, b) for name, _, _, b in buffers
     ]
     placed = [(name, t.device) for name, t in tensors if t.device.type != "cpu"]
+    if not params and not buffers:  # all parameters are in nested units: compute where they do
+        placed = [(f"unit {display_name(name)}", unit.device) for name, unit in nested if unit.device.type != "cpu"]
     if device_id is not None:
         device = _as_device(device_id)
         wrong = [(n, d) for n, d in placed if d != device]
@@ -263,6 +264,6 @@ def _move_to(device: torch.device, params: List[OrigParam], buffers: _Buffers) -
         for p in params:
             if p.param.device != device:
                 p.param.data = p.param.data.to(device)
-        for module, attr, buf in buffers:
+        for _, module, attr, buf in buffers:
             if buf.device != device:
                 module._buffers[attr] = buf.to(device)

@@ -50,7 +50,7 @@ class ParamPlaceholder(torch.Tensor):
             f"parameter '{placeholder.param_name}' is sharded by ShardedDataParallel: its full value "
             f"exists only while its unit runs forward or backward, so '{what}' cannot be used on it "
             f"here (reading or changing full parameters outside forward needs summon_full_params, "
-            f"which is not supported yet); optimizers and gradient clipping work on model.parameters()"
+            f"which is not supported yet); optimizers work on model.parameters(), the FlatParameter shards"
         )
 
 

@@ -1,36 +1,37 @@
 """Forward and backward of a unit: when to gather, free and reduce.
 
 [Note: unit life cycle] Per iteration a unit goes IDLE -> FORWARD -> IDLE (its forward),
-then IDLE -> BACKWARD_PRE (a hook on one of its forward outputs received a gradient, so
-its backward is about to run: gather) -> BACKWARD_POST (autograd accumulated the unit's full
-gradient: reduce-scatter, free) -> IDLE (the root's end-of-backward callback). The callback is
-queued by whichever hook fires first in a backward; it frees whatever is still gathered (a
-unit whose parameters got no gradient, a mistargeted prefetch) and starts a new iteration.
+then IDLE -> BACKWARD_PRE (a hook on one of its forward outputs received a gradient: its
+backward is about to run, so gather) -> BACKWARD_POST (its backward is done: reduce the
+gradient, free) -> IDLE (the root's end-of-backward callback). "Done" is signalled by autograd
+accumulating the unit's full gradient; a unit without trainable parameters instead hooks the
+gradients of its forward inputs. The callback is queued by whichever hook fires first in a
+backward; it frees whatever is still gathered (a unit whose parameters got no gradient, a
+mistargeted prefetch) and starts a new iteration.
 
 [Note: when parameters are freed] After forward: FULL_SHARD units except the root (its
-backward starts immediately). Without autograd (``no_grad``/``inference_mode``) every unit
-frees right after its forward, the root too, since no backward can follow. After backward:
-every sharded unit. A unit whose parameters require grad but whose outputs carry no tensor
-that requires grad keeps its parameters until the end of backward: its outputs may hide
-tensors in containers we cannot see, and freeing memory that backward then reads would crash.
+backward starts immediately), and units nothing in backward can need. Without autograd
+(``no_grad``/``inference_mode``) every unit this forward gathered is freed right after it,
+since no backward can follow. After backward: every sharded unit. Kept until the end of
+backward instead: a unit whose parameters require grad but whose outputs carry no tensor
+that requires grad (its outputs may hide tensors in containers we cannot see), and a unit
+whose output shares its parameters' memory (e.g. it returns a weight) -- freeing memory that
+backward then reads would crash.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
-from enum import Enum, auto
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
 
-from ._collectives import ProcessGroup, all_gather_object, all_ranks_agree, rank_of, size_of
-from ._common import HandleState, TrainingState, display_name, guard_transition, iter_tensors, map_tensors, rank_prefix
-from ._exec_order import ExecOrder
+from ._common import HandleState, TrainingState, iter_tensors, map_tensors
+from ._unit import BackwardState, RootContext, Unit
 from .api import BackwardPrefetch, ShardingStrategy
-from .flat_param import FlatParamHandle
 
 _IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD
@@ -38,128 +39,17 @@ _BACKWARD_PRE = TrainingState.BACKWARD_PRE
 _BACKWARD_POST = TrainingState.BACKWARD_POST
 
 
-@dataclass(frozen=True)
-class UnitConfig:
-    """A unit's runtime options, as given to its constructor."""
-
-    sharding_strategy: ShardingStrategy
-    backward_prefetch: Optional[BackwardPrefetch]
-    forward_prefetch: bool
-    limit_all_gathers: bool
+def register_hooks(unit: Unit) -> None:
+    """Hook a trainable unit's gradient accumulation (called once, at construction)."""
+    handle = unit.handle
+    if handle is not None and handle.requires_grad:
+        hook = functools.partial(_post_backward, unit)
+        unit.hook_handles.append(handle.grad_leaf.register_post_accumulate_grad_hook(hook))
 
 
-class BackwardState(Enum):
-    """Whether the end-of-backward callback is queued for the current backward."""
-
-    IDLE = auto()
-    CALLBACK_QUEUED = auto()
-
-
-class Unit:
-    """Run-time state of one wrapper: its handle (``None`` if it owns no parameters), its
-    options, its training state and the root context it belongs to."""
-
-    def __init__(
-        self,
-        handle: Optional[FlatParamHandle],
-        config: UnitConfig,
-        group: ProcessGroup,
-        device: torch.device,
-    ) -> None:
-        self.handle = handle
-        self.config = config
-        self.group = group
-        self.rank = rank_of(group)
-        self.world_size = size_of(group)
-        self.device = device
-        self.name = ""  # user-facing module name relative to the root, set by lazy_init
-        self.training_state = _IDLE
-        self.ctx: Optional[RootContext] = None
-        self.parent: Optional[Unit] = None  # the nearest enclosing unit
-        self.descendants: List[Tuple[str, Unit]] = []  # every unit under this one, named
-        self.sync_gradients = True
-        self._post_backward_hook = None
-        if handle is not None and handle.requires_grad:
-            self._post_backward_hook = handle.grad_leaf.register_post_accumulate_grad_hook(
-                functools.partial(_post_backward, self)
-            )
-
-    @property
-    def is_root(self) -> bool:
-        return self.ctx is not None and self.ctx.root is self
-
-    def adopt(self, nested: Sequence[Tuple[str, "Unit"]]) -> None:
-        """Become the enclosing unit of ``nested`` (every unit under this one, any depth,
-        named relative to this unit's module). They are initialised again by their root."""
-        for name, unit in nested:
-            if unit.training_state is not _IDLE:
-                raise AssertionError(f"{unit.where()}: wrapped into an outer unit while {unit.training_state.name}")
-            if unit.parent is None:
-                unit.parent = self
-            unit.ctx = None
-        self.descendants = list(nested)
-
-    def where(self) -> str:
-        return rank_prefix(self.rank, self.name)
-
-    def move(self, allowed_from: Sequence[TrainingState], target: TrainingState) -> None:
-        self.training_state = guard_transition(self.training_state, allowed_from, target, self.where())
-
-
-class RootContext:
-    """State shared by all units of one root: the units, their order, the backward state."""
-
-    def __init__(self, root: Unit, units: List[Unit]) -> None:
-        self.root = root
-        self.units = units
-        self.exec_order: ExecOrder[Unit] = ExecOrder()
-        self.backward_state = BackwardState.IDLE
-
-
-def lazy_init(unit: Unit) -> None:
-    """Initialise the units of ``unit``'s root (its outermost enclosing unit) if needed.
-
-    Collective: the ranks of the root's group check here, once, that they built the same
-    units.
-    """
-    root = unit
-    while root.parent is not None:
-        root = root.parent
-    if root.ctx is not None:
-        return
-    named = [("", root)] + root.descendants
-    ctx = RootContext(root, [u for _, u in named])
-    for name, member in named:
-        member.name = name
-        member.ctx = ctx
-    _check_ranks_agree(ctx)
-
-
-def _describe(unit: Unit) -> str:
-    layout = unit.handle.describe() if unit.handle is not None else "no parameters"
-    return f"{display_name(unit.name)} ({unit.config.sharding_strategy.name}, {layout})"
-
-
-def _check_ranks_agree(ctx: RootContext) -> None:
-    root = ctx.root
-    descriptions = [_describe(unit) for unit in ctx.units]
-    if all_ranks_agree("\n".join(descriptions), root.group, root.device):
-        return
-    per_rank: List[List[str]] = all_gather_object(descriptions, root.group)
-    lines = []
-    for rank, units in enumerate(per_rank):
-        first_diff = next(
-            (i for i in range(max(len(units), len(per_rank[0]))) if units[i : i + 1] != per_rank[0][i : i + 1]),
-            None,
-        )
-        if first_diff is not None:
-            mine = units[first_diff] if first_diff < len(units) else "(no such unit)"
-            ref = per_rank[0][first_diff] if first_diff < len(per_rank[0]) else "(no such unit)"
-            lines.append(f"  unit #{first_diff}: rank 0 has {ref}\n             rank {rank} has {mine}")
-    raise ValueError(
-        f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
-        f"units with the same parameters, shapes and dtypes):\n" + "\n".join(lines)
-    )
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # -- forward ------------------------------------------------------------------------------
@@ -167,76 +57,108 @@ def _check_ranks_agree(ctx: RootContext) -> None:
 
 def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """The wrapper's forward: gather, run the wrapped module, free or hook for backward."""
-    if unit.ctx is None:
+    ctx = unit.ctx
+    if ctx is None:
         raise AssertionError(f"{unit.where()}: forward before lazy init")
-    if unit.is_root and unit.device.type != "cpu":
-        args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
-    _pre_forward(unit)
+    if unit.is_root:
+        _root_pre_forward(ctx)
+        if unit.device.type != "cpu":
+            args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
+    _pre_forward(unit, ctx, (args, kwargs))
     try:
         output = module(*args, **kwargs)
     except BaseException:
         if unit.training_state is _FORWARD:
             unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
         raise
-    _post_forward(unit, output)
+    _post_forward(unit, ctx, output)
     if unit.is_root:
-        _root_post_forward(unit)
+        _root_post_forward(ctx)
     return output
 
 
-def _pre_forward(unit: Unit) -> None:
+def _root_pre_forward(ctx: RootContext) -> None:
+    if _in_backward():
+        return
+    ctx.gathered_in_forward.clear()
+    if ctx.backward_state is BackwardState.CALLBACK_QUEUED:
+        # The last backward raised, so autograd never ran its end-of-backward callback.
+        _finalize_backward(ctx)
+
+
+def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
     # [Note: forward inside backward] Activation checkpointing re-runs forward code during
     # backward. A unit re-run inside its own backward stays BACKWARD_PRE; any unit re-run
-    # while a backward is in progress keeps its parameters gathered until its backward
-    # (the recomputed activations that backward reads are views of them).
+    # during a backward keeps its parameters gathered until its backward (the recomputed
+    # activations that backward reads are views of them).
     if unit.training_state is not _BACKWARD_PRE:
         unit.move((_IDLE,), _FORWARD)
     handle = unit.handle
     if handle is None:
         return
-    recompute = unit.ctx.backward_state is BackwardState.CALLBACK_QUEUED  # type: ignore[union-attr]
+    recompute = _in_backward()
     if not recompute:
-        unit.ctx.exec_order.record_pre_forward(unit)  # type: ignore[union-attr]
-    handle.unshard()
+        ctx.exec_order.record_pre_forward(unit)
+    if handle.unshard():
+        ctx.gathered_in_forward.add(unit)
     handle.use_views(track_grad=torch.is_grad_enabled())
-    if unit.config.forward_prefetch and not recompute:
-        _prefetch(unit.ctx.exec_order.next_in_forward(unit))  # type: ignore[union-attr]
+    if recompute:
+        return
+    if not handle.requires_grad and torch.is_grad_enabled():
+        _hook_frozen_unit_inputs(unit, inputs)
+    if unit.config.forward_prefetch:
+        target = ctx.exec_order.next_in_forward(unit)
+        if _prefetch(target):
+            ctx.gathered_in_forward.add(target)  # type: ignore[arg-type]
 
 
-def _post_forward(unit: Unit, output: Any) -> None:
+def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
     if unit.training_state is _BACKWARD_PRE:
         return
     unit.move((_FORWARD,), _IDLE)
     handle = unit.handle
-    ctx = unit.ctx
-    if handle is None or ctx.backward_state is BackwardState.CALLBACK_QUEUED:  # type: ignore[union-attr]
+    if handle is None or _in_backward():
         return
-    ctx.exec_order.record_post_forward(unit)  # type: ignore[union-attr]
     if not torch.is_grad_enabled():
-        handle.reshard()
+        if unit in ctx.gathered_in_forward:
+            handle.reshard()
         return
     grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
     hook = functools.partial(_pre_backward, unit)
     for tensor in grad_outputs:
         tensor.register_hook(hook)
+    if grad_outputs:
+        ctx.exec_order.record_post_forward(unit)  # its backward will run: a prefetch target
     if not grad_outputs and not handle.requires_grad:
         handle.reshard()  # nothing in a backward can need these parameters
-    elif grad_outputs and unit.config.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit.is_root:
+    elif (
+        grad_outputs
+        and unit.config.sharding_strategy is ShardingStrategy.FULL_SHARD
+        and not unit.is_root
+        and not any(handle.aliases(t) for t in iter_tensors(output))
+    ):
         handle.reshard()
 
 
-def _root_post_forward(root: Unit) -> None:
-    ctx = root.ctx
-    ctx.exec_order.freeze_forward_order()  # type: ignore[union-attr]
-    if not torch.is_grad_enabled():
-        for unit in ctx.units:  # type: ignore[union-attr]
-            if unit.handle is not None:
-                unit.handle.reshard()  # also releases forward prefetches that went unused
+def _root_post_forward(ctx: RootContext) -> None:
+    ctx.exec_order.freeze_forward_order()
+    if not torch.is_grad_enabled() and not _in_backward():
+        for unit in ctx.gathered_in_forward:
+            unit.handle.reshard()  # type: ignore[union-attr]  # also unused forward prefetches
+    ctx.gathered_in_forward.clear()
 
 
-def _prefetch(target: Optional[Unit]) -> None:
-    if target is not None and target.handle is not None:
-        target.handle.unshard()  # a no-op if it is already gathered: never gathered twice
+def _prefetch(target: Optional[Unit]) -> bool:
+    """Gather ``target`` ahead of its use; ``False`` if it already was (never gathered twice)."""
+    return target is not None and target.handle is not None and target.handle.unshard()
+
+
+def _hook_frozen_unit_inputs(unit: Unit, inputs: Any) -> None:
+    """A unit without trainable parameters gets no gradient to signal the end of its
+    backward; the gradients of its inputs do instead."""
+    tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
+    if tensors:
+        register_multi_grad_hook(tensors, functools.partial(_post_backward_frozen, unit))
 
 
 # -- backward -----------------------------------------------------------------------------
@@ -246,12 +168,18 @@ def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
     """Hook on a forward output of ``unit``: its backward is about to run."""
     ctx = unit.ctx
     _queue_finalizer(ctx)  # type: ignore[arg-type]
-    if unit.training_state is _BACKWARD_PRE:
-        return None  # another output of the same unit (or a second use of it)
-    unit.move((_IDLE,), _BACKWARD_PRE)
-    handle = unit.handle
+    state, handle = unit.training_state, unit.handle
+    if state is _BACKWARD_PRE:
+        return None  # another output of the same unit (or another use of it)
+    if state is _BACKWARD_POST and (handle is None or handle.requires_grad or handle.state is HandleState.UNSHARDED):
+        # A trainable unit's gradient is complete, so nothing left in this backward needs its
+        # parameters (e.g. a hook on an input the unit passed through). A frozen unit freed
+        # after one use's backward is gathered again for another use's.
+        return None
+    unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
     if handle is None:
         return None
+    handle.drop_grad_if_zeroed()
     handle.unshard()
     # Views back on the modules, under autograd, for code that re-runs forward pieces in
     # backward (activation checkpointing) and reads the parameters from the modules.
@@ -277,7 +205,19 @@ def _post_backward(unit: Unit, leaf: torch.Tensor) -> None:
     unit.move((_BACKWARD_PRE, _IDLE), _BACKWARD_POST)
     if unit.sync_gradients:
         handle.reduce_grad()
+    else:
+        handle.hold_grad_for_later()
     handle.reshard()
+    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch_for_backward(unit)
+
+
+def _post_backward_frozen(unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Gradients of a frozen unit's inputs are complete: its backward is done."""
+    if unit.training_state is not _BACKWARD_PRE:
+        return  # never gathered for this backward
+    unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
+    unit.handle.reshard()  # type: ignore[union-attr]
     if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_for_backward(unit)
 
@@ -295,7 +235,7 @@ def _prefetch_for_backward(unit: Unit) -> None:
 
 def _queue_finalizer(ctx: RootContext) -> None:
     if ctx.backward_state is BackwardState.IDLE:
-        ctx.backward_state = BackwardState.CALLBACK_QUEUED
+        ctx.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, ctx))
 
 
@@ -306,7 +246,7 @@ def _finalize_backward(ctx: RootContext) -> None:
             unit.handle.reshard()
         unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
     ctx.exec_order.end_iteration()
-    ctx.backward_state = BackwardState.IDLE
+    ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
 
 
 @contextlib.contextmanager

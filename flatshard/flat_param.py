@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -138,42 +138,49 @@ class FlatParamHandle:
             self._split_sizes.append(self.padded_numel - self.numel)
         # Where each view goes: (module, attribute, index of the original parameter).
         self._slots: List[Tuple[nn.Module, str, int]] = slots
-        # The original parameter objects, weakly (by id, checked by identity: tensors'
-        # ``==`` is elementwise, so weak sets cannot hold them): lets a later wrapper
-        # recognise a tied parameter this unit already flattened without keeping it alive.
-        self._originals: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {
-            id(p.param): (weakref.ref(p.param), p.name) for p in primaries
-        }
-
-        full = _flatten([p.param for p in primaries], self.padded_numel, device)
-        if self.sharded:
-            start = self.rank * self.shard_numel
-            self.flat_param = FlatParameter(full[start : start + self.shard_numel].clone(), self.requires_grad)
-            self._full = full.requires_grad_(self.requires_grad)
-        else:
-            self.flat_param = FlatParameter(full, self.requires_grad)
-            self._full = self.flat_param
+        self._originals = [(p.param, p.name) for p in primaries]
+        self.flat_param, self._full = self._make_tensors([p.param for p in primaries])
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
         self._full_data = self._full.data
         self._placeholders = [
             ParamPlaceholder(info.name, info.shape, self.dtype, self.requires_grad) for info in self.param_infos
         ]
+        # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
+        # backward. See [Note: no_sync and zero_grad].
+        self._held_grad: Optional[Tuple["weakref.ref[torch.Tensor]", int]] = None
         self.state = HandleState.UNSHARDED
         for p in params:
             p.module._parameters.pop(p.attr_name, None)
+        _empty_originals(primaries)
         owner.register_parameter(FLAT_PARAM, self.flat_param)
         if self.sharded:
             self.reshard()
         else:
             self.use_views(track_grad=False)
 
+    def _make_tensors(self, params: Sequence[nn.Parameter]) -> Tuple[FlatParameter, torch.Tensor]:
+        """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
+        [Note: two tensors per handle])."""
+        full = _flatten(params, self.padded_numel, self.device)
+        if not self.sharded:
+            flat_param = FlatParameter(full, self.requires_grad)
+            return flat_param, flat_param
+        start = self.rank * self.shard_numel
+        flat_param = FlatParameter(full[start : start + self.shard_numel].clone(), self.requires_grad)
+        return flat_param, full.requires_grad_(self.requires_grad)
+
     # -- layout -------------------------------------------------------------------------
 
     def originals(self) -> List[Tuple[nn.Parameter, str]]:
-        """The original parameters this handle flattened that are still alive, with names."""
-        alive = [(ref(), name) for ref, name in self._originals.values()]
-        return [(param, name) for param, name in alive if param is not None]
+        """The original parameter objects this handle flattened (now emptied), with names."""
+        return list(self._originals)
+
+    def set_name_prefix(self, prefix: str) -> None:
+        """Name the placeholders as the user does, from the root (``prefix`` is this unit's
+        module path); called when the root is known."""
+        for placeholder, info in zip(self._placeholders, self.param_infos):
+            placeholder.param_name = f"{prefix}.{info.name}" if prefix else info.name
 
     def describe(self) -> str:
         """The layout in one line, e.g. for telling which unit differs between ranks."""
@@ -238,6 +245,16 @@ class FlatParamHandle:
         """Bytes the full flat tensor holds right now (0 when resharded, unless ``NO_SHARD``)."""
         return storage_bytes(self._full_data)
 
+    def aliases(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` shares the full flat tensor's memory (e.g. a module returned
+        one of its parameters): then it must not be freed before that tensor's backward."""
+        return (
+            self.state is HandleState.UNSHARDED
+            and tensor.layout is torch.strided
+            and tensor.device == self.device
+            and tensor.untyped_storage().data_ptr() == self._full_data.untyped_storage().data_ptr()
+        )
+
     # -- gradients ------------------------------------------------------------------------
 
     def has_unreduced_grad(self) -> bool:
@@ -251,6 +268,7 @@ class FlatParamHandle:
         gradient the user did not zero), then drop the full gradient. ``NO_SHARD``: the full
         gradient *is* ``flat_param.grad``; all-reduce it in place.
         """
+        self._held_grad = None
         full_grad = self._full.grad
         if full_grad is None:
             return
@@ -265,6 +283,45 @@ class FlatParamHandle:
             self.flat_param.grad = shard_grad
         else:
             self.flat_param.grad.add_(shard_grad)
+
+    def hold_grad_for_later(self) -> None:
+        """``no_sync``: leave the accumulated full gradient for the next synchronised backward.
+
+        [Note: no_sync and zero_grad] Under ``no_sync`` a sharded unit accumulates its
+        unsharded gradient in the full tensor's ``.grad``, out of the optimizer's sight. As
+        with DDP and FSDP1, ``optimizer.zero_grad()`` before the next backward must discard
+        it. So the ``FlatParameter`` gets a (zero) ``.grad`` here, and before the next
+        backward accumulates, ``drop_grad_if_zeroed`` checks that this very tensor is still
+        ``.grad`` and unmodified; if not, the user zeroed the gradients and the held gradient
+        is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself.)
+        """
+        if not self.sharded or self._full.grad is None:
+            return
+        if self.flat_param.grad is None:
+            self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        self._held_grad = (weakref.ref(self.flat_param.grad), self.flat_param.grad._version)
+
+    def drop_grad_if_zeroed(self) -> None:
+        """Before a backward: drop a held ``no_sync`` gradient if ``.grad`` was zeroed since."""
+        if self._held_grad is None:
+            return
+        ref, version = self._held_grad
+        grad = self.flat_param.grad
+        if grad is None or ref() is not grad or grad._version != version:
+            self._full.grad = None
+            self._held_grad = None
+
+
+def _empty_originals(primaries: Sequence[OrigParam]) -> None:
+    """[Note: emptied originals] The original parameter objects are replaced by the flat
+    parameter, but they may still be referenced: by a module outside this unit that shares
+    them (a tied weight another unit would flatten a second time) or by the user (e.g. an
+    optimizer built before wrapping). Their data is replaced by an empty tensor: their memory
+    is released, any stale use fails loudly, and a later wrapper recognises them (see
+    ``_init._check_params``), so a tie can never be split silently."""
+    with torch.no_grad():
+        for p in primaries:
+            p.param.data = torch.empty(0, dtype=p.param.dtype, device=p.param.device)
 
 
 _Layout = Tuple[List[OrigParam], Tuple[ParamInfo, ...], Tuple[SharedParamInfo, ...], List[Tuple[nn.Module, str, int]]]

@@ -12,7 +12,8 @@ from torch import nn
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, display_name
 from ._init import build_unit
-from ._runtime import lazy_init, no_sync, run_forward
+from ._runtime import no_sync, run_forward
+from ._unit import lazy_init
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParamHandle
 
@@ -164,8 +165,6 @@ class ShardedDataParallel(nn.Module):
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
-        if self._unit.ctx is None:
-            lazy_init(self._unit)
         return self._unit.is_root
 
     @contextlib.contextmanager
@@ -173,7 +172,7 @@ class ShardedDataParallel(nn.Module):
         """Skip gradient communication: backward passes inside accumulate unsharded
         gradients locally; the next backward outside reduces their sum. Call on the root.
         Gradients stay unsharded meanwhile, so this costs full-gradient memory per unit."""
-        if not self.check_is_root():
+        if not self._unit.is_root:
             raise RuntimeError(
                 f"no_sync() must be called on the root ShardedDataParallel, not on the nested "
                 f"unit {display_name(self._unit.name)}"
@@ -190,13 +189,28 @@ class ShardedDataParallel(nn.Module):
             return found
         return [m for m in found if m._unit.parent is None]
 
-    # -- checkpoints (later) ------------------------------------------------------------------
+    # -- not (yet) supported -----------------------------------------------------------------
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         raise NotImplementedError("state_dict() of a ShardedDataParallel model is not supported yet")
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         raise NotImplementedError("load_state_dict() of a ShardedDataParallel model is not supported yet")
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
+        # .to(), .cuda(), .double(), ... would convert only the shards, not the full flat
+        # tensors the units gather into; refuse unless the conversion changes nothing.
+        handle = self._unit.handle
+        if handle is not None:
+            before = handle.flat_param.detach()[:0]
+            after = fn(before)
+            if (after.device, after.dtype) != (before.device, before.dtype):
+                raise NotImplementedError(
+                    f"moving or casting a ShardedDataParallel model after wrapping (from "
+                    f"{before.device}/{before.dtype} to {after.device}/{after.dtype}) is not "
+                    f"supported; do it before wrapping, or pass device_id"
+                )
+        return super()._apply(fn, recurse)  # type: ignore[call-arg]
 
     # -- display ------------------------------------------------------------------------------
 
@@ -214,3 +228,35 @@ class ShardedDataParallel(nn.Module):
     def __repr__(self) -> str:
         inner = repr(self._fsdp_wrapped_module).replace("\n", "\n  ")
         return f"{type(self).__name__}({self.extra_repr()}\n  (module): {inner}\n)"
+
+
+# FSDP1 methods that later versions implement. Each raises NotImplementedError naming itself,
+# rather than an AttributeError about the wrapped module (attribute forwarding).
+_NOT_YET = (
+    "clip_grad_norm_",
+    "summon_full_params",
+    "state_dict_type",
+    "set_state_dict_type",
+    "get_state_dict_type",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "flatten_sharded_optim_state_dict",
+    "rekey_optim_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "register_comm_hook",
+)
+
+
+def _not_yet(name: str) -> Any:
+    def unsupported(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"ShardedDataParallel.{name} is not supported yet")
+
+    unsupported.__name__ = unsupported.__qualname__ = name
+    return staticmethod(unsupported)
+
+
+for _method in _NOT_YET:
+    setattr(ShardedDataParallel, _method, _not_yet(_method))

@@ -36,14 +36,24 @@ class Out:
     extra: Dict[str, Any]
 
 
+class Box:
+    """A container the wrapper cannot look into (for the hidden-output case)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int = DIM, checkpoint: bool = False, nested_output: bool = False) -> None:
+    """A residual block. ``output``: ``tensor``; ``nested`` (the tensor in a dict of a list
+    of a tuple); ``passthrough`` (also returns its input); ``hidden`` (in a ``Box``)."""
+
+    def __init__(self, dim: int = DIM, checkpoint: bool = False, output: str = "tensor") -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 2 * dim)
         self.fc2 = nn.Linear(2 * dim, dim)
         self.checkpoint = checkpoint
-        self.nested_output = nested_output
+        self.output = output
 
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(self.norm(x))))
@@ -53,17 +63,42 @@ class Block(nn.Module):
             h = x + torch.utils.checkpoint.checkpoint(self._residual, x, use_reentrant=False)
         else:
             h = x + self._residual(x)
-        # the tensor backward needs, buried in a dict of a list of a tuple
-        return {"out": [(h, "tag")], "count": 1} if self.nested_output else h
+        if self.output == "nested":
+            return {"out": [(h, "tag")], "count": 1}
+        if self.output == "passthrough":
+            return h, x
+        return Box(h) if self.output == "hidden" else h
+
+
+def unpack(out: Any) -> torch.Tensor:
+    """A block's output as one tensor, whatever its ``output`` mode."""
+    if isinstance(out, dict):
+        return out["out"][0][0]
+    if isinstance(out, tuple):
+        return out[0] + 0.5 * out[1]
+    return out.value if isinstance(out, Box) else out
+
+
+class WeightOut(nn.Module):
+    """Returns its weight itself: an output that aliases the unit's parameters."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.1)
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
 
 
 class TinyLM(nn.Module):
     """Embedding tied to the output head, a positional buffer, residual blocks.
 
     Options for runtime tests: ``reuse_first_block`` applies block 0 twice; ``unused`` adds a
-    parameter and a block that never run; ``nested_output`` makes blocks return nested
-    containers and the model a dataclass; ``checkpoint`` is ``"inner"`` (blocks checkpoint
-    their own computation) or ``"outer"`` (the model checkpoints each block call).
+    parameter and a block that never run; ``output`` is the blocks' output mode (``nested``
+    also makes the model return a dataclass); ``checkpoint`` is ``"inner"`` (blocks checkpoint
+    their own computation) or ``"outer"`` (the model checkpoints each block call);
+    ``frozen_blocks`` freezes those blocks; ``untied_head`` replaces the tied head by a
+    ``WeightOut`` module; ``frozen_embed`` freezes the embedding (needs ``untied_head``).
     """
 
     def __init__(
@@ -73,38 +108,55 @@ class TinyLM(nn.Module):
         dim: int = DIM,
         reuse_first_block: bool = False,
         unused: bool = False,
-        nested_output: bool = False,
+        output: str = "tensor",
         checkpoint: Optional[str] = None,
+        frozen_blocks: Tuple[int, ...] = (),
+        untied_head: bool = False,
+        frozen_embed: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.register_buffer("pos", torch.linspace(-1.0, 1.0, SEQ * dim).reshape(SEQ, dim))
-        self.blocks = nn.ModuleList(
-            Block(dim, checkpoint=checkpoint == "inner", nested_output=nested_output) for _ in range(n_blocks)
-        )
+        self.blocks = nn.ModuleList(Block(dim, checkpoint == "inner", output) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
+        self.head: nn.Module = WeightOut(vocab, dim) if untied_head else nn.Linear(dim, vocab, bias=False)
+        if not untied_head:
+            self.head.weight = self.embed.weight
+        for index in frozen_blocks:
+            self.blocks[index].requires_grad_(False)
+        self.embed.requires_grad_(not frozen_embed)
         self.reuse_first_block = reuse_first_block
-        self.nested_output = nested_output
+        self.untied_head = untied_head
+        self.output = output
         self.outer_checkpoint = checkpoint == "outer"
+        self.n_used = n_blocks
         if unused:
             self.unused_param = nn.Parameter(torch.ones(3))
-            self.blocks.append(Block(dim))  # never called: forward runs n_blocks blocks
+            self.blocks.append(Block(dim))  # never called
 
     def forward(self, tokens: torch.Tensor) -> Any:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        n_blocks = len(self.blocks) - (1 if hasattr(self, "unused_param") else 0)
-        order = ([0] if self.reuse_first_block else []) + list(range(n_blocks))
+        order = ([0] if self.reuse_first_block else []) + list(range(self.n_used))
         for index in order:
             block = self.blocks[index]
             if self.outer_checkpoint:
-                out = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                h = unpack(torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False))
             else:
-                out = block(h)
-            h = out["out"][0][0] if self.nested_output else out
-        logits = self.head(self.norm(h))
-        return Out(logits, {"hidden": (h,)}) if self.nested_output else logits
+                h = unpack(block(h))
+        h = self.norm(h)
+        logits = h @ self.head().t() if self.untied_head else self.head(h)
+        return Out(logits, {"hidden": (h,)}) if self.output == "nested" else logits
+
+
+class Outer(nn.Module):
+    """A module with no parameters of its own around a model (a root that owns nothing)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        return self.inner(tokens)
 
 
 def build(seed: int = 0, **kwargs: Any) -> TinyLM:
@@ -113,12 +165,18 @@ def build(seed: int = 0, **kwargs: Any) -> TinyLM:
 
 
 def wrap(model: nn.Module, mode: str, **options: Any) -> ShardedDataParallel:
-    """``single``: one unit; ``nested``: each block its own unit inside the root unit."""
-    if mode == "nested":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = ShardedDataParallel(block, **options)
-    elif mode != "single":
-        raise ValueError(mode)
+    """``single``: one unit; ``nested``: each block its own unit inside the root unit;
+    ``nested+embed`` / ``nested+head``: the embedding / head too; ``empty_root``: ``nested``
+    inside a root that owns no parameters."""
+    if mode == "single":
+        return ShardedDataParallel(model, **options)
+    units = {"nested": [], "nested+embed": ["embed"], "nested+head": ["head"], "empty_root": []}[mode]
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = ShardedDataParallel(block, **options)
+    for name in units:
+        setattr(model, name, ShardedDataParallel(getattr(model, name), **options))
+    if mode == "empty_root":
+        return ShardedDataParallel(Outer(ShardedDataParallel(model, **options)), **options)
     return ShardedDataParallel(model, **options)
 
 
@@ -142,9 +200,9 @@ def make_optim(params: Any, weight_decay: float = 0.01) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
 
 
-def train_reference(world_size: int, steps: int = 5, micro_batches: int = 1, **model_kwargs: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """Single-process training on the global batches: (losses, parameters by name)."""
-    model = build(**model_kwargs)
+def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, rank: Optional[int]) -> List[float]:
+    """AdamW training; ``rank is None``: the plain model on global batches, else the wrapped
+    model on this rank's slices, all micro-batches but the last under ``no_sync``."""
     optim = make_optim(model.parameters())
     losses = []
     for step in range(steps):
@@ -152,11 +210,22 @@ def train_reference(world_size: int, steps: int = 5, micro_batches: int = 1, **m
         total = 0.0
         for micro in range(micro_batches):
             tokens, targets = batch(step * micro_batches + micro, world_size)
-            loss = lm_loss(model(tokens), targets) / micro_batches
-            loss.backward()
-            total += loss.item()
+            if rank is not None:
+                tokens, targets = local(tokens, rank), local(targets, rank)
+            syncing = rank is None or micro == micro_batches - 1
+            with contextlib.nullcontext() if syncing else model.no_sync():
+                loss = lm_loss(model(tokens), targets) / micro_batches
+                loss.backward()
+            total += loss.item() if rank is None else global_mean(loss)
         optim.step()
         losses.append(total)
+    return losses
+
+
+def train_reference(world_size: int, steps: int = 5, micro_batches: int = 1, **model_kwargs: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Single-process training on the global batches: (losses, parameters by name)."""
+    model = build(**model_kwargs)
+    losses = _train(model, world_size, steps, micro_batches, None)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -175,25 +244,9 @@ def train_wrapped(
     model_kwargs: Optional[Dict[str, Any]] = None,
     **options: Any,
 ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """The same training, sharded: (global losses, full parameters by name).
-
-    With ``micro_batches > 1`` all but the last micro-batch run under ``no_sync``.
-    """
+    """The same training, sharded: (global losses, full parameters by name)."""
     model = wrap(build(**(model_kwargs or {})), mode, **options)
-    optim = make_optim(model.parameters())
-    losses = []
-    for step in range(steps):
-        optim.zero_grad()
-        total = 0.0
-        for micro in range(micro_batches):
-            tokens, targets = batch(step * micro_batches + micro, world_size)
-            context = model.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
-            with context:
-                loss = lm_loss(model(local(tokens, rank)), local(targets, rank)) / micro_batches
-                loss.backward()
-            total += global_mean(loss)
-        optim.step()
-        losses.append(total)
+    losses = _train(model, world_size, steps, micro_batches, rank)
     return losses, full_params(model)
 
 

@@ -1,7 +1,11 @@
 """Construction errors: immediate, specific, naming parameters and modules as the user does."""
 
+import gc
+
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.device_mesh import init_device_mesh
 from expecttest import TestCase
 from torch import nn
 
@@ -74,18 +78,17 @@ def _tie_split_inner_outer():
 def _tie_split_siblings():
     model = build()
     model.embed = ShardedDataParallel(model.embed)
+    gc.collect()  # nothing but the head module holds the original weight now
     model.head = ShardedDataParallel(model.head)
 
 
-def _tie_split_siblings_then_root():
-    _tie_split_siblings_model()
+def _group_and_mesh():
+    mesh = init_device_mesh("cpu", (1,))
+    ShardedDataParallel(Pair(), process_group=dist.group.WORLD, device_mesh=mesh)
 
 
-def _tie_split_siblings_model():
-    model = build()
-    model.embed = ShardedDataParallel(model.embed)
-    model.head = ShardedDataParallel(model.head)
-    ShardedDataParallel(model)
+def _group_pair():
+    ShardedDataParallel(Pair(), process_group=(dist.group.WORLD, dist.group.WORLD))
 
 
 def _option(**options):
@@ -102,18 +105,17 @@ CASES = {
     "wrapped_child_not_put_back": _wrapped_child_not_put_back,
     "tie_split_inner_outer": _tie_split_inner_outer,
     "tie_split_siblings": _tie_split_siblings,
-    "tie_split_siblings_then_root": _tie_split_siblings_then_root,
     "not_a_module": lambda: ShardedDataParallel(torch.zeros(2)),
     "strategy_string": _option(sharding_strategy="FULL_SHARD"),
     "prefetch_string": _option(backward_prefetch="BACKWARD_PRE"),
     "flag_not_bool": _option(forward_prefetch=1),
     "device_id_type": _option(device_id=1.5),
     "device_id_cuda_missing": _option(device_id=0),
-    "group_and_mesh": _option(process_group=torch.distributed.group.WORLD, device_mesh=object()),
+    "group_and_mesh": _group_and_mesh,
     "meta_module": lambda: ShardedDataParallel(Pair().to("meta")),
     "hybrid": _option(sharding_strategy=ShardingStrategy.HYBRID_SHARD),
     "hybrid_zero2": _option(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
-    "group_pair": _option(process_group=(torch.distributed.group.WORLD, torch.distributed.group.WORLD)),
+    "group_pair": _group_pair,
     "offload": _option(cpu_offload=CPUOffload(offload_params=True)),
     "auto_wrap": _option(auto_wrap_policy=lambda *a, **k: False),
     "mixed_precision": _option(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
@@ -199,8 +201,8 @@ class ErrorTest(TestCase):
             """ValueError: parameter 'embed.weight' is shared with 'head.weight', but the nested unit 'embed' already flattened it while module 'head' outside that unit also uses it; do not wrap 'embed' separately (or wrap a module that contains both users)""",
         )
         self.assertExpectedInline(
-            self.error("tie_split_siblings_then_root"),
-            """ValueError: parameter 'embed.weight' is shared with 'head.weight', but they were flattened by two different units ('embed' and 'head'), which would train two separate copies; wrap a module that contains both users instead""",
+            self.error("tie_split_siblings"),
+            """ValueError: parameter 'weight' has no elements. If it is tied to a parameter that another ShardedDataParallel already flattened (which empties the original), wrap one module that contains all of its users instead; zero-size parameters are not supported""",
         )
 
     def test_bad_option_values(self):
@@ -223,7 +225,7 @@ class ErrorTest(TestCase):
             """TypeError: device_id must be an int, a torch.device or None; got 1.5""",
         )
         self.assertExpectedInline(
-            self.error("group_and_mesh"), """AttributeError: 'object' object has no attribute 'ndim'"""
+            self.error("group_and_mesh"), """ValueError: pass either process_group or device_mesh, not both"""
         )
         if not torch.cuda.is_available():
             self.assertExpectedInline(

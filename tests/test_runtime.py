@@ -1,6 +1,8 @@
 """Run-time behaviour: when units gather and free, unusual forward/backward patterns, no_sync,
 inference, lazy init and the wrapper's conveniences."""
 
+import contextlib
+
 import pytest
 import torch
 from expecttest import TestCase
@@ -9,6 +11,7 @@ from flatshard import ShardedDataParallel, ShardingStrategy
 from flatshard._common import HandleState, TrainingState
 from tests._models import (
     Out,
+    Outer,
     assert_same_training,
     batch,
     build,
@@ -18,6 +21,7 @@ from tests._models import (
     lm_loss,
     local,
     make_optim,
+    unpack,
     wrap,
 )
 
@@ -64,22 +68,78 @@ def _nested_outputs_step(model, tokens, targets):
     return loss
 
 
+def _no_grad_forward_before_backward(model, tokens, targets):
+    loss = _loss(model, tokens, targets)
+    with torch.no_grad():
+        model(tokens)  # e.g. an evaluation between forward and backward
+    loss.backward()
+    return loss
+
+
+def _no_sync(model):
+    return model.no_sync() if isinstance(model, ShardedDataParallel) else contextlib.nullcontext()
+
+
+def _zero_grad_after_no_sync(set_to_none):
+    def step(model, tokens, targets):
+        with _no_sync(model):
+            _loss(model, tokens[:, :3], targets[:, :3]).backward()
+        model.zero_grad(set_to_none=set_to_none)  # discards what no_sync accumulated, as in DDP
+        return _plain_step(model, tokens, targets)
+
+    return step
+
+
+def _raise(grad):
+    raise RuntimeError("boom")
+
+
+def _failed_backward_then_step(model, tokens, targets):
+    def hook_output(module, inputs, output):
+        unpack(output).register_hook(_raise)
+
+    registration = model.blocks[0].register_forward_hook(hook_output)
+    try:
+        _loss(model, tokens, targets).backward()
+    except RuntimeError as exc:
+        if "boom" not in str(exc):
+            raise
+    else:
+        raise AssertionError("the backward did not fail")
+    finally:
+        registration.remove()
+    model.zero_grad(set_to_none=True)
+    return _plain_step(model, tokens, targets)
+
+
+# name: (model options, step function, wrapping mode)
 SCENARIOS = {
-    "two_forwards_one_backward": ({}, _two_forwards_one_backward),
-    "two_backwards_without_zero_grad": ({}, _two_backwards_without_zero_grad),
-    "module_used_twice": ({"reuse_first_block": True}, _plain_step),
-    "params_without_gradient": ({"unused": True}, _plain_step),
-    "nested_outputs": ({"nested_output": True}, _nested_outputs_step),
-    "checkpoint_inside_units": ({"checkpoint": "inner"}, _plain_step),
-    "checkpoint_around_units": ({"checkpoint": "outer"}, _plain_step),
+    "two_forwards_one_backward": ({}, _two_forwards_one_backward, "nested"),
+    "two_backwards_without_zero_grad": ({}, _two_backwards_without_zero_grad, "nested"),
+    "module_used_twice": ({"reuse_first_block": True}, _plain_step, "nested"),
+    "params_without_gradient": ({"unused": True}, _plain_step, "nested"),
+    "nested_outputs": ({"output": "nested"}, _nested_outputs_step, "nested"),
+    "passthrough_outputs": ({"output": "passthrough"}, _plain_step, "nested"),
+    "hidden_outputs": ({"output": "hidden"}, _no_grad_forward_before_backward, "nested"),
+    "no_grad_forward_before_backward": ({}, _no_grad_forward_before_backward, "nested"),
+    "checkpoint_inside_units": ({"checkpoint": "inner"}, _plain_step, "nested"),
+    "checkpoint_around_units": ({"checkpoint": "outer"}, _plain_step, "nested"),
+    "frozen_block_unit": ({"frozen_blocks": (1,)}, _plain_step, "nested"),
+    "frozen_embedding_unit": ({"untied_head": True, "frozen_embed": True}, _plain_step, "nested+embed"),
+    "unit_returning_its_weight": ({"untied_head": True}, _plain_step, "nested+head"),
+    "root_without_parameters": ({}, _plain_step, "empty_root"),
+    "zero_grad_after_no_sync": ({}, _zero_grad_after_no_sync(True), "nested"),
+    "zero_grad_in_place_after_no_sync": ({}, _zero_grad_after_no_sync(False), "nested"),
+    "failed_backward_then_step": ({}, _failed_backward_then_step, "nested"),
 }
 
 
-def _scenario(rank, world_size, name, strategy_name, mode, steps=2):
+def _scenario(rank, world_size, name, strategy_name, mode=None, steps=2):
     """Both the plain model (global batch) and the wrapped one (local batch) run the scenario's
     step function; AdamW without weight decay, so a zero gradient equals no gradient."""
-    model_kwargs, step = SCENARIOS[name]
-    reference = build(**model_kwargs)
+    model_kwargs, step, default_mode = SCENARIOS[name]
+    mode = mode or default_mode
+    reference = Outer(build(**model_kwargs)) if mode == "empty_root" else build(**model_kwargs)
     ref_optim = make_optim(reference.parameters(), weight_decay=0.0)
     model = wrap(build(**model_kwargs), mode, sharding_strategy=ShardingStrategy[strategy_name])
     optim = make_optim(model.parameters(), weight_decay=0.0)
@@ -102,10 +162,10 @@ def _scenario(rank, world_size, name, strategy_name, mode, steps=2):
 @pytest.mark.parametrize("strategy_name", STRATEGIES)
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_scenario_matches_single_process(rank_pool, name, strategy_name):
-    rank_pool.run(_scenario, 2, name, strategy_name, "nested")
+    rank_pool.run(_scenario, 2, name, strategy_name)
 
 
-@pytest.mark.parametrize("name", ["module_used_twice", "params_without_gradient", "nested_outputs"])
+@pytest.mark.parametrize("name", ["module_used_twice", "params_without_gradient", "nested_outputs", "passthrough_outputs"])
 def test_scenario_single_unit_world_size_3(rank_pool, name):
     rank_pool.run(_scenario, 3, name, "FULL_SHARD", "single")
 
@@ -237,11 +297,11 @@ class StructureTest(TestCase):
         self.assertEqual(report["forwarded_attr"], "ModuleList")
         self.assertEqual(report["forwarded_item"], "ShardedDataParallel")
         self.assertEqual(report["placeholder"], ("meta", (16, 8)))
-        self.assertEqual(report["placeholder_repr"], "ParamPlaceholder('fc1.weight', shape=(16, 8), dtype=torch.float32; sharded)")
+        self.assertEqual(report["placeholder_repr"], "ParamPlaceholder('blocks.0.fc1.weight', shape=(16, 8), dtype=torch.float32; sharded)")
         sum_error, init_error, grad_error = report["placeholder_errors"]
         self.assertExpectedInline(
             sum_error,
-            """parameter 'fc1.weight' is sharded by ShardedDataParallel: its full value exists only while its unit runs forward or backward, so 'sum' cannot be used on it here (reading or changing full parameters outside forward needs summon_full_params, which is not supported yet); optimizers and gradient clipping work on model.parameters()""",
+            """parameter 'blocks.0.fc1.weight' is sharded by ShardedDataParallel: its full value exists only while its unit runs forward or backward, so 'sum' cannot be used on it here (reading or changing full parameters outside forward needs summon_full_params, which is not supported yet); optimizers work on model.parameters(), the FlatParameter shards""",
         )
         self.assertIn("so 'zero_' cannot be used", init_error)  # no silent no-op writes
         self.assertIn("so 'grad' cannot be used", grad_error)
@@ -273,7 +333,7 @@ class RankAgreementTest(TestCase):
         self.assertExpectedInline(
             str(caught.exception),
             """\
-[rank 0] the ranks wrapped different models (every rank must build the same units with the same parameters, shapes and dtypes):
-  unit #3: rank 0 has 'blocks.2' (FULL_SHARD, torch.float32, requires_grad=True: norm.weight (8,), norm.bias (8,), fc1.weight (16, 8), fc1.bias (16,), fc2.weight (8, 16), fc2.bias (8,))
+[rank 0] the ranks wrapped different models (every rank must build the same units with the same parameters, shapes, dtypes and options):
+  unit #3: rank 0 has 'blocks.2' (FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False; torch.float32, requires_grad=True: norm.weight (8,), norm.bias (8,), fc1.weight (16, 8), fc1.bias (16,), fc2.weight (8, 16), fc2.bias (8,))
              rank 1 has (no such unit)""",
         )

@@ -1,0 +1,151 @@
+"""Run-time state of the units: one ``Unit`` per wrapper, one ``RootContext`` per root.
+
+The root (the outermost wrapper) is known structurally: each wrapper adopts the units nested
+in it when it is constructed. At the root's first forward, ``lazy_init`` gives all of them
+one shared context and checks, with one collective, that every rank built the same units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ._collectives import ProcessGroup, all_gather_object, all_ranks_agree, rank_of, size_of
+from ._common import TrainingState, display_name, guard_transition, rank_prefix
+from ._exec_order import ExecOrder
+from .api import BackwardPrefetch, ShardingStrategy
+from .flat_param import FlatParamHandle
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """A unit's runtime options, as given to its constructor."""
+
+    sharding_strategy: ShardingStrategy
+    backward_prefetch: Optional[BackwardPrefetch]
+    forward_prefetch: bool
+    limit_all_gathers: bool
+
+    def describe(self) -> str:
+        prefetch = self.backward_prefetch.name if self.backward_prefetch else "None"
+        return f"{self.sharding_strategy.name}, backward_prefetch={prefetch}, forward_prefetch={self.forward_prefetch}"
+
+
+class BackwardState(Enum):
+    """Whether a backward of the root is running (its end-of-backward callback is queued)."""
+
+    IDLE = auto()
+    CALLBACK_QUEUED = auto()
+
+
+class Unit:
+    """Run-time state of one wrapper: its handle (``None`` if it owns no parameters), its
+    options, its training state, and the units around it."""
+
+    def __init__(
+        self,
+        handle: Optional[FlatParamHandle],
+        config: UnitConfig,
+        group: ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.handle = handle
+        self.config = config
+        self.group = group
+        self.rank = rank_of(group)
+        self.world_size = size_of(group)
+        self.device = device
+        self.name = ""  # user-facing module path from the root, set when an outer unit adopts it
+        self.training_state = TrainingState.IDLE
+        self.ctx: Optional[RootContext] = None
+        self.parent: Optional[Unit] = None  # the nearest enclosing unit
+        self.descendants: List[Tuple[str, Unit]] = []  # every unit under this one, named
+        self.sync_gradients = True
+        self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def adopt(self, nested: Sequence[Tuple[str, "Unit"]]) -> None:
+        """Become the enclosing unit of ``nested`` (every unit under this one, any depth,
+        named relative to this unit's module). They are initialised again by their root, and
+        named as the user names their modules (relative to the outermost unit, the root)."""
+        for name, unit in nested:
+            if unit.training_state is not TrainingState.IDLE:
+                raise AssertionError(f"{unit.where()}: wrapped into an outer unit while {unit.training_state.name}")
+            if unit.parent is None:
+                unit.parent = self
+            unit.ctx = None
+            unit.name = name
+            if unit.handle is not None:
+                unit.handle.set_name_prefix(name)
+        self.descendants = list(nested)
+
+    def where(self) -> str:
+        return rank_prefix(self.rank, self.name)
+
+    def move(self, allowed_from: Sequence[TrainingState], target: TrainingState) -> None:
+        self.training_state = guard_transition(self.training_state, allowed_from, target, self.where())
+
+
+class RootContext:
+    """State shared by all units of one root."""
+
+    def __init__(self, root: Unit, units: List[Unit]) -> None:
+        self.root = root
+        self.units = units
+        self.exec_order: ExecOrder[Unit] = ExecOrder()
+        self.backward_state = BackwardState.IDLE
+        # Units gathered during the current root forward (by their forward or a forward
+        # prefetch): what a forward without autograd may free again, and nothing else.
+        self.gathered_in_forward: Set[Unit] = set()
+
+    def move(self, allowed_from: Sequence[BackwardState], target: BackwardState) -> None:
+        self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())
+
+
+def lazy_init(unit: Unit) -> None:
+    """Initialise the units of ``unit``'s root (its outermost enclosing unit) if needed.
+
+    Collective: the ranks of the root's group check here, once, that they built the same
+    units with the same options.
+    """
+    root = unit
+    while root.parent is not None:
+        root = root.parent
+    if root.ctx is not None:
+        return
+    ctx = RootContext(root, [root] + [u for _, u in root.descendants])
+    for member in ctx.units:
+        member.ctx = ctx
+    _check_ranks_agree(ctx)
+
+
+def _describe(unit: Unit) -> str:
+    layout = unit.handle.describe() if unit.handle is not None else "no parameters"
+    return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
+
+
+def _check_ranks_agree(ctx: RootContext) -> None:
+    root = ctx.root
+    descriptions = [_describe(unit) for unit in ctx.units]
+    if all_ranks_agree("\n".join(descriptions), root.group, root.device):
+        return
+    per_rank: List[List[str]] = all_gather_object(descriptions, root.group)
+    reference = per_rank[0]
+    lines = []
+    for rank, units in enumerate(per_rank):
+        width = max(len(units), len(reference))
+        first = next((i for i in range(width) if units[i : i + 1] != reference[i : i + 1]), None)
+        if first is not None:
+            mine = units[first] if first < len(units) else "(no such unit)"
+            ref = reference[first] if first < len(reference) else "(no such unit)"
+            lines.append(f"  unit #{first}: rank 0 has {ref}\n             rank {rank} has {mine}")
+    raise ValueError(
+        f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
+        f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines)
+    )

@@ -1,0 +1,104 @@
+"""Which unit is gathered when: prefetch order, bounded memory, collectives per step."""
+
+import contextlib
+
+from expecttest import TestCase
+
+from flatshard import BackwardPrefetch, ShardingStrategy
+from tests._models import batch, build, lm_loss, local, make_optim, wrap
+from tests._spy import recording
+
+
+def _step_events(rank, world_size, strategy_name="FULL_SHARD", backward_prefetch=None, forward_prefetch=False, no_sync=False):
+    """Events of the second training step (the first records the forward order)."""
+    with recording() as rec:
+        model = wrap(
+            build(),
+            "nested",
+            sharding_strategy=ShardingStrategy[strategy_name],
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+        )
+        rec.attach(model)
+        optim = make_optim(model.parameters())
+        tokens, targets = (local(t, rank) for t in batch(0, world_size))
+        for step in range(2):
+            if step == 1:
+                rec.clear()
+            with model.no_sync() if no_sync and step == 1 else contextlib.nullcontext():
+                lm_loss(model(tokens), targets).backward()
+            optim.step()
+        return rec.events, dict(rec.collectives), rec.max_gathered
+
+
+def _events(pool, **options):
+    """Rank 0's events, checked identical on both ranks, and collectives / peak gathered."""
+    (events, collectives, peak), other = pool.run(_step_events, 2, **options)
+    assert other[0] == events
+    return " | ".join(events), collectives, peak
+
+
+class PrefetchOrderTest(TestCase):
+    # Units: the root (embedding, final norm, head) and blocks.0-2, FULL_SHARD unless stated.
+
+    def test_without_prefetch_each_unit_gathers_in_its_own_pre_backward(self):
+        events, collectives, peak = _events(self.pool, backward_prefetch=None)
+        self.assertExpectedInline(
+            events,
+            """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.1 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | gather blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+        )
+        self.assertEqual(peak, 2)  # the root and the computing block
+
+    def test_backward_pre_gathers_the_next_unit_before_the_current_gradient(self):
+        events, collectives, peak = _events(self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        self.assertExpectedInline(
+            events,
+            """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | gather blocks.2 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+        )
+        self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 4})  # never gathered twice
+        self.assertEqual(peak, 3)  # root, computing block, prefetched block: bounded
+
+    def test_backward_post_gathers_the_next_unit_after_the_current_gradient(self):
+        events, collectives, peak = _events(self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+        self.assertExpectedInline(
+            events,
+            """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | gather blocks.1 | pre-backward blocks.1 | post-backward blocks.1 | free blocks.1 | gather blocks.0 | pre-backward blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+        )
+        self.assertEqual(peak, 2)
+
+    def test_forward_prefetch_gathers_the_next_unit_before_the_current_forward(self):
+        events, collectives, peak = _events(
+            self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True
+        )
+        forward = events[: events.index(" | pre-backward root")]
+        self.assertExpectedInline(
+            forward,
+            """forward root | gather root | gather blocks.0 | forward blocks.0 | gather blocks.1 | free blocks.0 | forward blocks.1 | gather blocks.2 | free blocks.1 | forward blocks.2 | free blocks.2""",
+        )
+        self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 4})
+        self.assertEqual(peak, 3)
+
+
+class CollectivesPerStepTest(TestCase):
+    def test_theoretical_minimum_per_strategy(self):
+        for strategy_name, expected in (
+            ("FULL_SHARD", {"all_gather": 7, "reduce_scatter": 4}),  # blocks twice, root once
+            ("SHARD_GRAD_OP", {"all_gather": 4, "reduce_scatter": 4}),  # every unit once
+            ("NO_SHARD", {"all_reduce": 4}),
+        ):
+            for prefetch in (None, BackwardPrefetch.BACKWARD_PRE):
+                _, collectives, _ = _events(self.pool, strategy_name=strategy_name, backward_prefetch=prefetch)
+                self.assertEqual(collectives, expected, (strategy_name, prefetch))
+
+    def test_no_sync_backward_communicates_no_gradient(self):
+        for strategy_name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+            _, collectives, _ = _events(self.pool, strategy_name=strategy_name, no_sync=True)
+            self.assertEqual(
+                {k: v for k, v in collectives.items() if k != "all_gather"}, {}, strategy_name
+            )
+
+
+class FrozenPrefetchTest(TestCase):
+    def test_a_unit_without_backward_is_never_prefetched(self):
+        (events,) = self.pool.run(_frozen_embedding_events, 1)
+        self.assertNotIn("gather embed", events[events.index("pre-backward root") :])
