@@ -9,12 +9,21 @@ from tests._models import batch, build, lm_loss, local, make_optim, wrap
 from tests._spy import recording
 
 
-def _step_events(rank, world_size, strategy_name="FULL_SHARD", backward_prefetch=None, forward_prefetch=False, no_sync=False):
+def _step_events(
+    rank,
+    world_size,
+    strategy_name="FULL_SHARD",
+    backward_prefetch=None,
+    forward_prefetch=False,
+    no_sync=False,
+    model_kwargs=None,
+    mode="nested",
+):
     """Events of the second training step (the first records the forward order)."""
     with recording() as rec:
         model = wrap(
-            build(),
-            "nested",
+            build(**(model_kwargs or {})),
+            mode,
             sharding_strategy=ShardingStrategy[strategy_name],
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
@@ -98,7 +107,33 @@ class CollectivesPerStepTest(TestCase):
             )
 
 
-class FrozenPrefetchTest(TestCase):
-    def test_a_unit_without_backward_is_never_prefetched(self):
-        (events,) = self.pool.run(_frozen_embedding_events, 1)
-        self.assertNotIn("gather embed", events[events.index("pre-backward root") :])
+class UnusualUnitsTest(TestCase):
+    def test_a_frozen_unit_is_freed_when_its_backward_is_done(self):
+        # blocks.1 has no trainable parameters: the gradients of its input end its backward
+        events, collectives, peak = _events(self.pool, model_kwargs={"frozen_blocks": (1,)})
+        backward = events[events.index("pre-backward root") :]
+        self.assertExpectedInline(
+            backward,
+            """pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.1 | pre-backward blocks.0 | gather blocks.0 | post-backward blocks.1 | free blocks.1 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+        )
+        # (the gradient that ends blocks.1's backward is the one that starts blocks.0's, and
+        # blocks.0's hook on that tensor was registered first)
+        self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 3})  # no gradient to reduce for blocks.1
+        self.assertEqual(peak, 3)
+
+    def test_a_unit_without_backward_is_never_gathered_for_backward(self):
+        # the frozen embedding's input is token ids: nothing in backward involves it
+        events, collectives, _ = _events(
+            self.pool,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            model_kwargs={"untied_head": True, "frozen_embed": True},
+            mode="nested+embed",
+        )
+        self.assertNotIn("embed", events[events.index("pre-backward root") :])
+        self.assertEqual(collectives, {"all_gather": 8, "reduce_scatter": 4})
+
+    def test_a_hook_on_a_passed_through_input_gathers_nothing_again(self):
+        # each block also returns its input; that tensor's gradient is complete only after
+        # the block's own backward, when its hook must not gather the block again
+        _, collectives, _ = _events(self.pool, model_kwargs={"output": "passthrough"})
+        self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 4})

@@ -7,7 +7,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from flatshard import ShardedDataParallel, ShardingStrategy
+from flatshard import BackwardPrefetch, ShardedDataParallel, ShardingStrategy
 from flatshard._common import HandleState, TrainingState
 from tests._models import (
     Out,
@@ -326,6 +326,68 @@ def _divergent(rank, world_size):
     model(local(batch(0, world_size)[0], rank))
 
 
+def _divergent_options(rank, world_size):
+    prefetch = BackwardPrefetch.BACKWARD_PRE if rank == 0 else BackwardPrefetch.BACKWARD_POST
+    model = wrap(build(), "nested", backward_prefetch=prefetch)
+    model(local(batch(0, world_size)[0], rank))
+
+
+def _root_checks_on_one_rank(rank, world_size):
+    """check_is_root() and no_sync() are local: calling them on one rank must not block."""
+    model = wrap(build(), "nested")
+    if rank == 0:
+        with model.no_sync():
+            pass
+        flags = (model.check_is_root(), model.blocks[0].check_is_root())
+    else:
+        flags = None
+    model(local(batch(0, world_size)[0], rank))
+    return flags
+
+
+def _conversions(rank, world_size):
+    model = wrap(build(), "nested")
+    model.to("cpu").float()  # changes nothing: allowed
+    outcome = []
+    for convert in (lambda m: m.double(), lambda m: m.to(torch.float16)):
+        try:
+            convert(model)
+            outcome.append("no error")
+        except NotImplementedError as exc:
+            outcome.append(str(exc))
+    for call in (
+        lambda: ShardedDataParallel.full_optim_state_dict(model, None),
+        lambda: model.clip_grad_norm_(1.0),
+        lambda: model.summon_full_params(model),
+        lambda: model.state_dict(),
+    ):
+        try:
+            call()
+            outcome.append("no error")
+        except NotImplementedError as exc:
+            outcome.append(str(exc))
+    return outcome
+
+
+class ConveniencesTest(TestCase):
+    def test_root_checks_need_no_collective(self):
+        results = self.pool.run(_root_checks_on_one_rank, 2, timeout=60)
+        self.assertEqual(results, [(True, False), None])
+
+    def test_moving_or_casting_after_wrapping_and_later_fsdp1_methods_raise(self):
+        (outcome,) = self.pool.run(_conversions, 1)
+        self.assertExpectedInline(
+            "\n".join(outcome),
+            """\
+moving or casting a ShardedDataParallel model after wrapping (from cpu/torch.float32 to cpu/torch.float64) is not supported; do it before wrapping, or pass device_id
+moving or casting a ShardedDataParallel model after wrapping (from cpu/torch.float32 to cpu/torch.float16) is not supported; do it before wrapping, or pass device_id
+ShardedDataParallel.full_optim_state_dict is not supported yet
+ShardedDataParallel.clip_grad_norm_ is not supported yet
+ShardedDataParallel.summon_full_params is not supported yet
+state_dict() of a ShardedDataParallel model is not supported yet""",
+        )
+
+
 class RankAgreementTest(TestCase):
     def test_ranks_that_built_different_models_fail_at_first_forward(self):
         with self.assertRaises(ValueError) as caught:
@@ -337,3 +399,7 @@ class RankAgreementTest(TestCase):
   unit #3: rank 0 has 'blocks.2' (FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False; torch.float32, requires_grad=True: norm.weight (8,), norm.bias (8,), fc1.weight (16, 8), fc1.bias (16,), fc2.weight (8, 16), fc2.bias (8,))
              rank 1 has (no such unit)""",
         )
+
+    def test_ranks_with_different_options_fail_at_first_forward(self):
+        with self.assertRaisesRegex(ValueError, "backward_prefetch=BACKWARD_POST"):
+            self.pool.run(_divergent_options, 2, timeout=60)
