@@ -60,11 +60,3 @@ class ExecOrder(Generic[_U]):
             if wanted(candidate):
                 return candidate
         return None
-
-    @property
-    def forward_order(self) -> List[_U]:
-        return list(self._forward)
-
-    @property
-    def post_forward_order(self) -> List[_U]:
-        return list(self._post_forward)

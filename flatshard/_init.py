@@ -7,7 +7,7 @@ already owns. Errors name parameters and modules relative to the module being wr
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Type
+from typing import Any, Dict, List, Optional, Set, Tuple, Type
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[st
     _check_ties(params, nested)
     _check_params(params)
     device = _resolve_device(options["device_id"], params, buffers, nested, group)
-    _move_to(device, params, buffers)
+    _move_buffers(device, buffers)
     handle = None
     if params:
         sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
@@ -227,23 +227,21 @@ def _resolve_device(
 ) -> torch.device:
     """The compute device: ``device_id`` if given (parameters on the CPU move there), else
     the device the parameters are on."""
-    tensors: Iterable[Tuple[str, torch.Tensor]] = [(p.name, p.param) for p in params] + [
-        (name, b) for name, _, _, b in buffers
-    ]
-    placed = [(name, t.device) for name, t in tensors if t.device.type != "cpu"]
-    if not params and not buffers:  # all parameters are in nested units: compute where they do
-        placed = [(f"unit {display_name(name)}", unit.device) for name, unit in nested if unit.device.type != "cpu"]
+    placed = [(f"'{p.name}'", p.param.device) for p in params] + [(f"'{n}'", b.device) for n, _, _, b in buffers]
+    if not params:  # all its parameters are in nested units: compute where they do
+        placed += [(f"unit {display_name(n)}", unit.device) for n, unit in nested]
+    placed = [(what, d) for what, d in placed if d.type != "cpu"]
     if device_id is not None:
         device = _as_device(device_id)
-        wrong = [(n, d) for n, d in placed if d != device]
+        wrong = [(what, d) for what, d in placed if d != device]
         if wrong:
-            raise ValueError(f"device_id is {device} but '{wrong[0][0]}' is on {wrong[0][1]}; move the module to the CPU or to {device}")
+            raise ValueError(f"device_id is {device} but {wrong[0][0]} is on {wrong[0][1]}; move the module to the CPU or to {device}")
     elif placed:
         device = placed[0][1]
-        wrong = [(n, d) for n, d in placed if d != device]
+        wrong = [(what, d) for what, d in placed if d != device]
         if wrong:
             raise ValueError(
-                f"the module is spread over devices: '{placed[0][0]}' is on {device} but '{wrong[0][0]}' "
+                f"the module is spread over devices: {placed[0][0]} is on {device} but {wrong[0][0]} "
                 f"is on {wrong[0][1]}; move it to one device or pass device_id"
             )
     else:
@@ -259,11 +257,9 @@ def _resolve_device(
     return device
 
 
-def _move_to(device: torch.device, params: List[OrigParam], buffers: _Buffers) -> None:
-    with torch.no_grad():
-        for p in params:
-            if p.param.device != device:
-                p.param.data = p.param.data.to(device)
-        for _, module, attr, buf in buffers:
-            if buf.device != device:
-                module._buffers[attr] = buf.to(device)
+def _move_buffers(device: torch.device, buffers: _Buffers) -> None:
+    """Buffers stay on their modules, so they move here; parameters move as they are
+    flattened onto ``device``."""
+    for _, module, attr, buf in buffers:
+        if buf.device != device:
+            module._buffers[attr] = buf.to(device)

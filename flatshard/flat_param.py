@@ -100,7 +100,8 @@ class FlatParamHandle:
 
     Construction removes the original parameters from their modules and registers the
     ``FlatParameter`` on ``owner`` as ``_flat_param``. Callers pass only valid parameters: one
-    floating dtype, one ``requires_grad`` value, one device (``_init`` checks and names them).
+    floating dtype and one ``requires_grad`` value (``_init`` checks and names them); they may
+    be on any device, and are copied to ``device`` as they are flattened.
 
     Args:
         params: every registration of the unit's original parameters, in module order; a
