@@ -65,6 +65,12 @@ def all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> None:
     tensor.div_(size_of(group))
 
 
+def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> None:
+    """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
+    if size_of(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+
+
 def fingerprint(text: str) -> int:
     """A 63-bit digest of ``text`` that is the same in every process (unlike ``hash``)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

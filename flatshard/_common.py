@@ -68,6 +68,12 @@ def display_name(name: str) -> str:
     return f"'{name}'" if name else "the root module"
 
 
+def describe_module(name: str, module: object) -> str:
+    """A module as messages name it: its path (relative to the module being wrapped) and class."""
+    where = f"module '{name}'" if name else "the module"
+    return f"{where} ({type(module).__name__})"
+
+
 def rank_prefix(rank: int, unit_name: str) -> str:
     """Prefix of errors raised at run time, which may come out of any rank's hooks."""
     return f"[rank {rank}] unit {display_name(unit_name)}"

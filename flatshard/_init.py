@@ -1,8 +1,9 @@
 """Construction of one unit: check the options, find the parameters the unit owns, check
 them, pick the device, and flatten.
 
-A unit owns every parameter in its module's tree that no nested wrapper (built before it)
-already owns. Errors name parameters and modules relative to the module being wrapped.
+By default a unit owns every parameter in its module's tree that no nested wrapper (built
+before it) owns and that is not ignored; a plan (auto-wrapping) may assign them explicitly.
+Errors name parameters and modules relative to the module being wrapped.
 """
 
 from __future__ import annotations
@@ -12,8 +13,17 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Type
 import torch
 from torch import nn
 
-from ._collectives import ProcessGroup, backend_of, default_group, require_initialized
-from ._common import coerce_config, coerce_enum, display_name, join_name
+from ._collectives import (
+    ProcessGroup,
+    all_ranks_agree,
+    backend_of,
+    broadcast_from_first,
+    default_group,
+    rank_of,
+    require_initialized,
+)
+from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
+from ._materialize import has_meta, materialize
 from ._runtime import register_hooks
 from ._unit import Unit, UnitConfig
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -27,9 +37,17 @@ def unit_of(wrapper: nn.Module) -> Unit:
     return wrapper._unit  # type: ignore[return-value]
 
 
-def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[str, Any]) -> Unit:
+def build_unit(
+    module: nn.Module,
+    wrapper_cls: Type[nn.Module],
+    options: Dict[str, Any],
+    owned: Optional[List[OrigParam]] = None,
+) -> Unit:
     """Check ``options`` (the wrapper's constructor arguments) and flatten ``module``'s
-    parameters into a new unit. ``wrapper_cls`` is the public wrapper class."""
+    parameters into a new unit. ``wrapper_cls`` is the public wrapper class. ``owned``: the
+    registrations this unit flattens, if a plan decided them (tied parameters placed in the
+    lowest unit containing all their users); by default every parameter in ``module``'s tree
+    outside nested units and ignored states."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
     if isinstance(module, wrapper_cls):
@@ -37,22 +55,58 @@ def build_unit(module: nn.Module, wrapper_cls: Type[nn.Module], options: Dict[st
             f"module is already a {wrapper_cls.__name__} (of {type(module.module).__name__}); "
             f"wrap each module once"
         )
+    if options["auto_wrap_policy"] is not None:
+        raise AssertionError("auto_wrap_policy must be planned before building a unit")
     config = _check_options(options)
     require_initialized()
     group = _resolve_group(options["process_group"], options["device_mesh"])
-    params, buffers, nested = _collect(module, wrapper_cls)
+    ignored = resolve_ignored(module, options["ignored_modules"], options["ignored_states"], wrapper_cls)
+    found, buffers, nested, modules = _collect(module, wrapper_cls, ignored)
+    params = found if owned is None else owned
     _check_ties(params, nested)
     _check_params(params)
     device = _resolve_device(options["device_id"], params, buffers, nested, group)
+    if has_meta(params, modules):
+        params = materialize(params, modules, device, options["param_init_fn"])
+        buffers = [(name, m, attr, m._buffers[attr]) for name, m, attr, _ in buffers]
     _move_buffers(device, buffers)
-    handle = None
-    if params:
-        sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
-        handle = FlatParamHandle(params, module, device, group, sharded)
-    unit = Unit(handle, config, group, device)
+    if options["sync_module_states"]:
+        _check_same_on_all_ranks(params, buffers, group, device)
+        for _, _, _, buf in buffers:
+            broadcast_from_first(buf, group)
+    sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
+    handles = [
+        FlatParamHandle(members, module, device, group, sharded, _attr_name(i), options["sync_module_states"])
+        for i, members in enumerate(_group_params(params))
+    ]
+    unit = Unit(handles, config, group, device)
     register_hooks(unit)
     unit.adopt(nested)
     return unit
+
+
+def _attr_name(index: int) -> str:
+    return FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}"
+
+
+def _group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
+    """One group per (dtype, requires_grad), in order of first appearance: each becomes one
+    FlatParameter, so frozen parameters get no gradient and no reduction."""
+    groups: Dict[Tuple[torch.dtype, bool], List[OrigParam]] = {}
+    for p in params:
+        groups.setdefault((p.param.dtype, p.param.requires_grad), []).append(p)
+    return list(groups.values())
+
+
+def _check_same_on_all_ranks(params: List[OrigParam], buffers: _Buffers, group: ProcessGroup, device: torch.device) -> None:
+    """Before broadcasting (``sync_module_states``): mismatched broadcasts would hang."""
+    layout = [(p.name, tuple(p.param.shape), str(p.param.dtype)) for p in params]
+    layout += [(name, tuple(b.shape), str(b.dtype)) for name, _, _, b in buffers]
+    if not all_ranks_agree(repr(layout), group, device):
+        raise ValueError(
+            f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap "
+            f"(parameter and buffer names, shapes or dtypes differ), so rank 0's cannot be broadcast"
+        )
 
 
 # -- options ------------------------------------------------------------------------------
@@ -70,22 +124,15 @@ def _check_options(o: Dict[str, Any]) -> UnitConfig:
     offload = coerce_config(o["cpu_offload"], CPUOffload, "cpu_offload")
     if offload is not None and offload.offload_params:
         raise NotImplementedError(f"cpu_offload=CPUOffload(offload_params=True) {_LATER}")
-    if o["auto_wrap_policy"] is not None:
-        raise NotImplementedError(f"auto_wrap_policy {_LATER}; wrap submodules by hand, innermost first")
     prefetch = coerce_enum(o["backward_prefetch"], BackwardPrefetch, "backward_prefetch", allow_none=True)
     mp = coerce_config(o["mixed_precision"], MixedPrecision, "mixed_precision")
     if mp is not None and (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) != (None, None, None):
         raise NotImplementedError(f"mixed_precision {_LATER}")
-    for name in ("ignored_modules", "ignored_states"):
-        if o[name] is not None and list(o[name]):
-            raise NotImplementedError(f"{name} {_LATER}")
-    if o["param_init_fn"] is not None:
-        raise NotImplementedError(f"param_init_fn (deferred initialisation) {_LATER}")
+    if o["param_init_fn"] is not None and not callable(o["param_init_fn"]):
+        raise TypeError(f"param_init_fn must be callable; got {o['param_init_fn']!r}")
     for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
         if not isinstance(o[name], bool):
             raise TypeError(f"{name} must be a bool; got {o[name]!r}")
-    if o["sync_module_states"]:
-        raise NotImplementedError(f"sync_module_states=True {_LATER}")
     if o["use_orig_params"]:
         raise NotImplementedError(f"use_orig_params=True {_LATER}")
     return UnitConfig(strategy, prefetch, o["forward_prefetch"], o["limit_all_gathers"])
@@ -104,20 +151,54 @@ def _resolve_group(process_group: Optional[ProcessGroup], device_mesh: Any) -> P
 # -- parameters ---------------------------------------------------------------------------
 
 
-def _collect(module: nn.Module, wrapper_cls: Type[nn.Module]) -> Tuple[List[OrigParam], _Buffers, List[Tuple[str, Unit]]]:
-    """The parameter registrations and buffers ``module``'s tree has outside nested
-    wrappers, and every nested wrapper's unit (with its name) at any depth."""
+Ignored = Tuple[Dict[int, nn.Module], Dict[int, nn.Parameter]]
+
+
+def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any, wrapper_cls: Type[nn.Module]) -> Ignored:
+    """The ignored modules (with everything under them) and ignored parameters, by id: their
+    states stay ordinary, unsharded and unreduced."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("pass either ignored_modules or ignored_states, not both")
+    items = list(ignored_modules if ignored_modules is not None else ignored_states or [])
+    modules: Dict[int, nn.Module] = {}
+    params: Dict[int, nn.Parameter] = {}
+    for item in items:
+        if isinstance(item, nn.Parameter) and ignored_states is not None:
+            params[id(item)] = item
+        elif isinstance(item, wrapper_cls):
+            raise ValueError(f"ignored modules must not be {wrapper_cls.__name__} units; got one wrapping {type(item.module).__name__}")
+        elif isinstance(item, nn.Module):
+            if item is module:
+                raise ValueError("the module being wrapped cannot itself be ignored")
+            modules.update((id(m), m) for m in item.modules())
+        else:
+            what = "ignored_states must hold nn.Parameters or nn.Modules" if ignored_states is not None else "ignored_modules must hold nn.Modules"
+            raise TypeError(f"{what}; got {type(item).__name__}")
+    return modules, params
+
+
+_Nested = List[Tuple[str, Unit]]
+_Named = List[Tuple[str, nn.Module]]
+
+
+def _collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) -> Tuple[List[OrigParam], _Buffers, _Nested, _Named]:
+    """What ``module``'s tree has outside nested units and ignored states: parameter
+    registrations, buffers and the modules themselves (named); plus every nested unit (any
+    depth, named)."""
+    ignored_modules, ignored_params = ignored
     params: List[OrigParam] = []
     buffers: _Buffers = []
-    nested: List[Tuple[str, Unit]] = []
+    nested: _Nested = []
+    modules: _Named = []
     seen: Set[int] = set()
 
     def visit(mod: nn.Module, prefix: str) -> None:
-        if id(mod) in seen:
+        if id(mod) in seen or id(mod) in ignored_modules:
             return
         seen.add(id(mod))
+        modules.append((prefix, mod))
         for attr, param in mod._parameters.items():
-            if param is not None:
+            if param is not None and id(param) not in ignored_params:
                 params.append(OrigParam(join_name(prefix, attr), prefix, mod, attr, param))
         buffers.extend((join_name(prefix, attr), mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
         for child_name, child in mod._modules.items():
@@ -132,15 +213,14 @@ def _collect(module: nn.Module, wrapper_cls: Type[nn.Module]) -> Tuple[List[Orig
                 visit(child, child_prefix)
 
     visit(module, "")
-    return params, buffers, nested
+    return params, buffers, nested, modules
 
 
 def _check_params(params: List[OrigParam]) -> None:
     for p in params:
         if isinstance(p.param, FlatParameter):
-            where = f"module '{p.module_name}'" if p.module_name else "the module"
             raise ValueError(
-                f"{where} ({type(p.module).__name__}) is already wrapped by "
+                f"{describe_module(p.module_name, p.module)} is already wrapped by "
                 f"a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put "
                 f"the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))"
             )
@@ -150,39 +230,11 @@ def _check_params(params: List[OrigParam]) -> None:
                 f"ShardedDataParallel already flattened (which empties the original), wrap one module "
                 f"that contains all of its users instead; zero-size parameters are not supported"
             )
-        if p.param.device.type == "meta":
-            raise NotImplementedError(f"parameter '{p.name}' is on the meta device: deferred initialisation {_LATER}")
         if not p.param.is_floating_point():
             raise TypeError(
                 f"parameter '{p.name}' has dtype {p.param.dtype}; ShardedDataParallel shards "
                 f"floating-point parameters only (register integer or boolean state as a buffer)"
             )
-    _check_uniform(params, lambda p: p.param.dtype, "dtype", "cast the module to one dtype")
-    _check_uniform(
-        params,
-        lambda p: p.param.requires_grad,
-        "requires_grad",
-        "set requires_grad alike for all of them",
-    )
-
-
-def _check_uniform(params: List[OrigParam], key: Any, what: str, advice: str) -> None:
-    """All of a unit's parameters share one flat tensor, so they must agree on ``what``."""
-    groups: Dict[Any, List[str]] = {}
-    for p in params:
-        groups.setdefault(key(p), []).append(p.name)
-    if len(groups) > 1:
-        listing = "; ".join(f"{what}={value}: {_some(names)}" for value, names in groups.items())
-        raise ValueError(
-            f"a unit flattens its parameters into one tensor, so they must share one {what}, "
-            f"but they differ: {listing}. Either {advice}, or wrap such parameters' modules "
-            f"in separate ShardedDataParallel units"
-        )
-
-
-def _some(names: List[str], limit: int = 4) -> str:
-    shown = ", ".join(f"'{n}'" for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]]) -> None:
@@ -190,8 +242,8 @@ def _check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]]) -> None
     would flatten it again and the two copies would train apart)."""
     owner: Dict[int, Tuple[str, str]] = {}
     for unit_name, unit in nested:
-        if unit.handle is not None:
-            for param, name in unit.handle.originals():
+        for handle in unit.handles:
+            for param, name in handle.originals():
                 owner[id(param)] = (unit_name, join_name(unit_name, name))
     for p in params:
         hit = owner.get(id(p.param))
@@ -230,7 +282,8 @@ def _resolve_device(
     placed = [(f"'{p.name}'", p.param.device) for p in params] + [(f"'{n}'", b.device) for n, _, _, b in buffers]
     if not params:  # all its parameters are in nested units: compute where they do
         placed += [(f"unit {display_name(n)}", unit.device) for n, unit in nested]
-    placed = [(what, d) for what, d in placed if d.type != "cpu"]
+    placed = [(what, d) for what, d in placed if d.type not in ("cpu", "meta")]
+    on_cpu = any(p.param.device.type == "cpu" for p in params)
     if device_id is not None:
         device = _as_device(device_id)
         wrong = [(what, d) for what, d in placed if d != device]
@@ -244,13 +297,15 @@ def _resolve_device(
                 f"the module is spread over devices: {placed[0][0]} is on {device} but {wrong[0][0]} "
                 f"is on {wrong[0][1]}; move it to one device or pass device_id"
             )
-    else:
+    elif "nccl" not in backend_of(group):
         device = torch.device("cpu")
-        if "nccl" in backend_of(group):
-            raise ValueError(
-                "the module is on the CPU but the process group's backend is nccl, which "
-                "communicates CUDA tensors only; pass device_id (e.g. torch.cuda.current_device())"
-            )
+    elif on_cpu:
+        raise ValueError(
+            "the module is on the CPU but the process group's backend is nccl, which "
+            "communicates CUDA tensors only; pass device_id (e.g. torch.cuda.current_device())"
+        )
+    else:  # built on the meta device: materialise on this rank's GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     for name, unit in nested:
         if unit.device != device:
             raise ValueError(f"nested unit {display_name(name)} computes on {unit.device} but this unit on {device}")

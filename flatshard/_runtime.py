@@ -2,12 +2,14 @@
 
 [Note: unit life cycle] Per iteration a unit goes IDLE -> FORWARD -> IDLE (its forward),
 then IDLE -> BACKWARD_PRE (a hook on one of its forward outputs received a gradient: its
-backward is about to run, so gather) -> BACKWARD_POST (its backward is done: reduce the
-gradient, free) -> IDLE (the root's end-of-backward callback). "Done" is signalled by autograd
-accumulating the unit's full gradient; a unit without trainable parameters instead hooks the
-gradients of its forward inputs. The callback is queued by whichever hook fires first in a
-backward; it frees whatever is still gathered (a unit whose parameters got no gradient, a
-mistargeted prefetch) and starts a new iteration.
+backward is about to run, so gather) -> BACKWARD_POST (its backward is done: gradients
+reduced, parameters freed) -> IDLE (the root's end-of-backward callback). A unit has one
+handle per group of parameters sharing dtype and ``requires_grad``; each finishes on its own.
+A trainable handle is done when autograd has accumulated its full gradient (nothing in the
+backward can need its parameters after that); frozen handles are done when the gradients of
+the unit's forward inputs are complete. The callback is queued by whichever hook fires first
+in a backward; it frees whatever is still gathered (a unit whose parameters got no gradient,
+a frozen unit whose inputs need none, a mistargeted prefetch) and starts a new iteration.
 
 [Note: when parameters are freed] After forward: FULL_SHARD units except the root (its
 backward starts immediately), and units nothing in backward can need. Without autograd
@@ -32,6 +34,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from ._common import HandleState, TrainingState, iter_tensors, map_tensors
 from ._unit import BackwardState, RootContext, Unit
 from .api import BackwardPrefetch, ShardingStrategy
+from .flat_param import FlatParamHandle
 
 _IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD
@@ -40,10 +43,9 @@ _BACKWARD_POST = TrainingState.BACKWARD_POST
 
 
 def register_hooks(unit: Unit) -> None:
-    """Hook a trainable unit's gradient accumulation (called once, at construction)."""
-    handle = unit.handle
-    if handle is not None and handle.requires_grad:
-        hook = functools.partial(_post_backward, unit)
+    """Hook the gradient accumulation of a unit's trainable handles (once, at construction)."""
+    for handle in unit.trainable:
+        hook = functools.partial(_post_backward, unit, handle)
         unit.hook_handles.append(handle.grad_leaf.register_post_accumulate_grad_hook(hook))
 
 
@@ -93,35 +95,34 @@ def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
     # activations that backward reads are views of them).
     if unit.training_state is not _BACKWARD_PRE:
         unit.move((_IDLE,), _FORWARD)
-    handle = unit.handle
-    if handle is None:
+    if not unit.handles:
         return
     recompute = _in_backward()
     if not recompute:
         ctx.exec_order.record_pre_forward(unit)
-    if handle.unshard():
+    if _gather(unit):
         ctx.gathered_in_forward.add(unit)
-    handle.use_views(track_grad=torch.is_grad_enabled())
+    for handle in unit.handles:
+        handle.use_views(track_grad=torch.is_grad_enabled())
     if recompute:
         return
-    if not handle.requires_grad and torch.is_grad_enabled():
-        _hook_frozen_unit_inputs(unit, inputs)
+    if unit.frozen and torch.is_grad_enabled():
+        _hook_inputs_for_frozen_handles(unit, inputs)
     if unit.config.forward_prefetch:
         target = ctx.exec_order.next_in_forward(unit)
-        if _prefetch(target):
-            ctx.gathered_in_forward.add(target)  # type: ignore[arg-type]
+        if target is not None and _gather(target):
+            ctx.gathered_in_forward.add(target)
 
 
 def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
     if unit.training_state is _BACKWARD_PRE:
         return
     unit.move((_FORWARD,), _IDLE)
-    handle = unit.handle
-    if handle is None or _in_backward():
+    if not unit.handles or _in_backward():
         return
     if not torch.is_grad_enabled():
         if unit in ctx.gathered_in_forward:
-            handle.reshard()
+            _free(unit)
         return
     grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
     hook = functools.partial(_pre_backward, unit)
@@ -129,33 +130,39 @@ def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
         tensor.register_hook(hook)
     if grad_outputs:
         ctx.exec_order.record_post_forward(unit)  # its backward will run: a prefetch target
-    if not grad_outputs and not handle.requires_grad:
-        handle.reshard()  # nothing in a backward can need these parameters
+    if not grad_outputs and not unit.trainable:
+        _free(unit)  # nothing in a backward can need these parameters
     elif (
         grad_outputs
         and unit.config.sharding_strategy is ShardingStrategy.FULL_SHARD
         and not unit.is_root
-        and not any(handle.aliases(t) for t in iter_tensors(output))
+        and not any(h.aliases(t) for h in unit.handles for t in iter_tensors(output))
     ):
-        handle.reshard()
+        _free(unit)
 
 
 def _root_post_forward(ctx: RootContext) -> None:
     ctx.exec_order.freeze_forward_order()
     if not torch.is_grad_enabled() and not _in_backward():
         for unit in ctx.gathered_in_forward:
-            unit.handle.reshard()  # type: ignore[union-attr]  # also unused forward prefetches
+            _free(unit)  # also unused forward prefetches
     ctx.gathered_in_forward.clear()
 
 
-def _prefetch(target: Optional[Unit]) -> bool:
-    """Gather ``target`` ahead of its use; ``False`` if it already was (never gathered twice)."""
-    return target is not None and target.handle is not None and target.handle.unshard()
+def _gather(unit: Unit) -> bool:
+    """Gather all of ``unit``'s handles; ``False`` if none needed it (never gathered twice)."""
+    gathered = [handle.unshard() for handle in unit.handles]
+    return any(gathered)
 
 
-def _hook_frozen_unit_inputs(unit: Unit, inputs: Any) -> None:
-    """A unit without trainable parameters gets no gradient to signal the end of its
-    backward; the gradients of its inputs do instead."""
+def _free(unit: Unit) -> None:
+    for handle in unit.handles:
+        handle.reshard()
+
+
+def _hook_inputs_for_frozen_handles(unit: Unit, inputs: Any) -> None:
+    """Frozen handles get no gradient to signal the end of their backward; the gradients of
+    the unit's inputs do instead."""
     tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
     if tensors:
         register_multi_grad_hook(tensors, functools.partial(_post_backward_frozen, unit))
@@ -168,69 +175,72 @@ def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
     """Hook on a forward output of ``unit``: its backward is about to run."""
     ctx = unit.ctx
     _queue_finalizer(ctx)  # type: ignore[arg-type]
-    state, handle = unit.training_state, unit.handle
+    state = unit.training_state
     if state is _BACKWARD_PRE:
         return None  # another output of the same unit (or another use of it)
-    if state is _BACKWARD_POST and (handle is None or handle.requires_grad or handle.state is HandleState.UNSHARDED):
-        # A trainable unit's gradient is complete, so nothing left in this backward needs its
-        # parameters (e.g. a hook on an input the unit passed through). A frozen unit freed
-        # after one use's backward is gathered again for another use's.
+    if state is _BACKWARD_POST and all(h.state is HandleState.UNSHARDED for h in unit.frozen):
+        # Trainable handles are complete, so nothing left in this backward needs them (e.g. a
+        # hook on an input the unit passed through). Frozen handles freed after one use's
+        # backward are gathered again for another use's.
         return None
     unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
-    if handle is None:
-        return None
-    handle.drop_grad_if_zeroed()
-    handle.unshard()
-    # Views back on the modules, under autograd, for code that re-runs forward pieces in
-    # backward (activation checkpointing) and reads the parameters from the modules.
-    handle.use_views(track_grad=True)
+    unit.pending = set(unit.handles if state is _IDLE else unit.frozen)
+    for handle in unit.pending:
+        handle.drop_grad_if_zeroed()
+        handle.unshard()
+        # Views back on the modules, under autograd, for code that re-runs forward pieces
+        # in backward (activation checkpointing) and reads the parameters from the modules.
+        handle.use_views(track_grad=True)
     if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_for_backward(unit)
     return None
 
 
-def _post_backward(unit: Unit, leaf: torch.Tensor) -> None:
-    """Hook after autograd accumulated ``unit``'s full gradient: reduce it and free."""
-    handle = unit.handle
-    if handle is None:
-        raise AssertionError(f"{unit.where()}: post-backward hook without parameters")
+def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> None:
+    """Hook after autograd accumulated ``handle``'s full gradient: reduce it and free."""
     _queue_finalizer(unit.ctx)  # type: ignore[arg-type]
-    if unit.training_state is _BACKWARD_POST:
+    if unit.training_state is _IDLE:
+        # No output hook fired (outputs we could not see into); everything stayed gathered.
+        unit.move((_IDLE,), _BACKWARD_PRE)
+        unit.pending = set(unit.handles)
+    if handle not in unit.pending:
         raise AssertionError(
             f"{unit.where()}: a second gradient reached the unit in one backward (reentrant "
             f"activation checkpointing inside a unit is not supported)"
         )
     if handle.state is not HandleState.UNSHARDED:
         raise AssertionError(f"{unit.where()}: gradient computed while the parameters were freed")
-    unit.move((_BACKWARD_PRE, _IDLE), _BACKWARD_POST)
     if unit.sync_gradients:
         handle.reduce_grad()
     else:
         handle.hold_grad_for_later()
     handle.reshard()
-    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        _prefetch_for_backward(unit)
+    _done(unit, [handle])
 
 
 def _post_backward_frozen(unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """Gradients of a frozen unit's inputs are complete: its backward is done."""
-    if unit.training_state is not _BACKWARD_PRE:
-        return  # never gathered for this backward
-    unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
-    unit.handle.reshard()  # type: ignore[union-attr]
-    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        _prefetch_for_backward(unit)
+    """The gradients of the unit's inputs are complete: its frozen handles are done."""
+    if unit.training_state is _BACKWARD_PRE:
+        for handle in unit.frozen:
+            handle.reshard()
+        _done(unit, unit.frozen)
+
+
+def _done(unit: Unit, handles: Sequence[FlatParamHandle]) -> None:
+    unit.pending.difference_update(handles)
+    if not unit.pending:
+        unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
+        if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch_for_backward(unit)
 
 
 def _prefetch_for_backward(unit: Unit) -> None:
-    def pending(candidate: Unit) -> bool:
-        return (
-            candidate.training_state is _IDLE
-            and candidate.handle is not None
-            and candidate.handle.state is HandleState.SHARDED
-        )
+    def waiting(candidate: Unit) -> bool:
+        return candidate.training_state is _IDLE and any(h.state is HandleState.SHARDED for h in candidate.handles)
 
-    _prefetch(unit.ctx.exec_order.next_in_backward(unit, pending))  # type: ignore[union-attr]
+    target = unit.ctx.exec_order.next_in_backward(unit, waiting)  # type: ignore[union-attr]
+    if target is not None:
+        _gather(target)
 
 
 def _queue_finalizer(ctx: RootContext) -> None:
@@ -242,8 +252,8 @@ def _queue_finalizer(ctx: RootContext) -> None:
 def _finalize_backward(ctx: RootContext) -> None:
     """End of a backward (queued on the autograd engine): free all, reset to IDLE."""
     for unit in ctx.units:
-        if unit.handle is not None:
-            unit.handle.reshard()
+        _free(unit)
+        unit.pending.clear()
         unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
     ctx.exec_order.end_iteration()
     ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)

@@ -42,17 +42,20 @@ class BackwardState(Enum):
 
 
 class Unit:
-    """Run-time state of one wrapper: its handle (``None`` if it owns no parameters), its
-    options, its training state, and the units around it."""
+    """Run-time state of one wrapper: its handles (one per group of parameters sharing dtype
+    and ``requires_grad``; none if it owns no parameters), its options, its training state,
+    and the units around it."""
 
     def __init__(
         self,
-        handle: Optional[FlatParamHandle],
+        handles: Sequence[FlatParamHandle],
         config: UnitConfig,
         group: ProcessGroup,
         device: torch.device,
     ) -> None:
-        self.handle = handle
+        self.handles = list(handles)
+        self.trainable = [h for h in self.handles if h.requires_grad]
+        self.frozen = [h for h in self.handles if not h.requires_grad]
         self.config = config
         self.group = group
         self.rank = rank_of(group)
@@ -64,6 +67,8 @@ class Unit:
         self.parent: Optional[Unit] = None  # the nearest enclosing unit
         self.descendants: List[Tuple[str, Unit]] = []  # every unit under this one, named
         self.sync_gradients = True
+        # Handles whose backward has not finished yet in the current backward.
+        self.pending: Set[FlatParamHandle] = set()
         self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
 
     @property
@@ -81,8 +86,8 @@ class Unit:
                 unit.parent = self
             unit.ctx = None
             unit.name = name
-            if unit.handle is not None:
-                unit.handle.set_name_prefix(name)
+            for handle in unit.handles:
+                handle.set_name_prefix(name)
         self.descendants = list(nested)
 
     def where(self) -> str:
@@ -126,7 +131,7 @@ def lazy_init(unit: Unit) -> None:
 
 
 def _describe(unit: Unit) -> str:
-    layout = unit.handle.describe() if unit.handle is not None else "no parameters"
+    layout = " + ".join(h.describe() for h in unit.handles) or "no parameters"
     return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
 
 

@@ -23,7 +23,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import ProcessGroup, all_gather_flat, all_reduce_mean, rank_of, reduce_scatter_mean, size_of
+from ._collectives import (
+    ProcessGroup,
+    all_gather_flat,
+    all_reduce_mean,
+    broadcast_from_first,
+    rank_of,
+    reduce_scatter_mean,
+    size_of,
+)
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
 from ._placeholder import ParamPlaceholder
 
@@ -104,12 +112,15 @@ class FlatParamHandle:
     be on any device, and are copied to ``device`` as they are flattened.
 
     Args:
-        params: every registration of the unit's original parameters, in module order; a
+        params: every registration of the parameters to flatten, in module order; a
             parameter registered twice (tied) is flattened once.
         owner: the wrapped module the ``FlatParameter`` is registered on.
         device: where the flat tensors live.
         group: the process group the parameters are sharded over.
         sharded: shard over ``group`` (``False``: keep everything, all-reduce gradients).
+        attr_name: the name the ``FlatParameter`` is registered under on ``owner``.
+        sync_from_first_rank: replace the values by those of the group's first rank before
+            sharding (``sync_module_states``).
     """
 
     def __init__(
@@ -119,6 +130,8 @@ class FlatParamHandle:
         device: torch.device,
         group: ProcessGroup,
         sharded: bool,
+        attr_name: str = FLAT_PARAM,
+        sync_from_first_rank: bool = False,
     ) -> None:
         if not params:
             raise AssertionError("a FlatParamHandle needs at least one parameter")
@@ -140,7 +153,8 @@ class FlatParamHandle:
         # Where each view goes: (module, attribute, index of the original parameter).
         self._slots: List[Tuple[nn.Module, str, int]] = slots
         self._originals = [(p.param, p.name) for p in primaries]
-        self.flat_param, self._full = self._make_tensors([p.param for p in primaries])
+        self.attr_name = attr_name
+        self.flat_param, self._full = self._make_tensors([p.param for p in primaries], sync_from_first_rank)
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
         self._full_data = self._full.data
@@ -154,16 +168,18 @@ class FlatParamHandle:
         for p in params:
             p.module._parameters.pop(p.attr_name, None)
         _empty_originals(primaries)
-        owner.register_parameter(FLAT_PARAM, self.flat_param)
+        owner.register_parameter(attr_name, self.flat_param)
         if self.sharded:
             self.reshard()
         else:
             self.use_views(track_grad=False)
 
-    def _make_tensors(self, params: Sequence[nn.Parameter]) -> Tuple[FlatParameter, torch.Tensor]:
+    def _make_tensors(self, params: Sequence[nn.Parameter], sync: bool) -> Tuple[FlatParameter, torch.Tensor]:
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
         [Note: two tensors per handle])."""
         full = _flatten(params, self.padded_numel, self.device)
+        if sync:
+            broadcast_from_first(full, self.group)
         if not self.sharded:
             flat_param = FlatParameter(full, self.requires_grad)
             return flat_param, flat_param

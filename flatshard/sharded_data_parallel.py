@@ -4,18 +4,19 @@ forward/backward machinery in ``_runtime``, flattening and sharding in ``flat_pa
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
 
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, display_name
-from ._init import build_unit
+from ._init import build_unit, resolve_ignored
+from ._planning import make_plan, unit_overrides
 from ._runtime import no_sync, run_forward
 from ._unit import lazy_init
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParamHandle
+from .flat_param import FlatParamHandle, OrigParam
 
 __all__ = ["ShardedDataParallel"]
 
@@ -36,22 +37,27 @@ class ShardedDataParallel(nn.Module):
         process_group: the ranks to shard over (default: the default process group).
         sharding_strategy: a ``ShardingStrategy`` (default ``FULL_SHARD``).
         cpu_offload: ``CPUOffload(offload_params=False)`` or ``None``.
-        auto_wrap_policy: not supported yet (``NotImplementedError``).
+        auto_wrap_policy: a policy from ``flatshard.wrap`` (or any FSDP1-style policy) that
+            picks the submodules to wrap as units; the module itself is always a unit.
+            Tied parameters go to the lowest unit containing all their users.
         backward_prefetch: ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``: when the
             next unit's all-gather is issued in backward.
         mixed_precision: ``None`` (a ``MixedPrecision`` with dtypes: not supported yet).
-        ignored_modules: not supported yet.
-        param_init_fn: not supported yet.
+        ignored_modules: modules whose parameters and buffers stay ordinary (not flattened,
+            sharded or reduced).
+        param_init_fn: called on each module built on the meta device, unit by unit, to
+            materialise and initialise it (default: ``to_empty`` + ``reset_parameters()``).
         device_id: the compute device (an int is a CUDA index); parameters on the CPU are
             moved there. Default: the device the parameters are on.
-        sync_module_states: ``False`` (``True``: not supported yet).
+        sync_module_states: broadcast the first rank's parameters and buffers before
+            sharding, so ranks may start from different initial values.
         forward_prefetch: issue the next unit's all-gather (by the first iteration's order)
             before this unit's forward computes.
         limit_all_gathers: bound the number of gathered units. Collectives are synchronous
             for now, so at most the computing unit and one prefetched unit are gathered
             beyond the root (and ``SHARD_GRAD_OP`` units kept for backward).
         use_orig_params: ``False`` (``True``: not supported yet).
-        ignored_states: not supported yet.
+        ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
         device_mesh: a 1-D ``DeviceMesh`` instead of ``process_group``.
     """
 
@@ -92,8 +98,21 @@ class ShardedDataParallel(nn.Module):
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
-        self._unit = build_unit(module, ShardedDataParallel, options)
+        owned = None
+        if auto_wrap_policy is not None:
+            owned = _wrap_planned_units(module, options)
+            options["auto_wrap_policy"] = None
+        self._unit = build_unit(module, ShardedDataParallel, options, owned)
         self._fsdp_wrapped_module = module
+
+    @classmethod
+    def _planned(cls, module: nn.Module, options: Dict[str, Any], owned: List[OrigParam]) -> "ShardedDataParallel":
+        """An inner unit of an auto-wrap plan (``options`` without the policy)."""
+        wrapper = cls.__new__(cls)
+        nn.Module.__init__(wrapper)
+        wrapper._unit = build_unit(module, cls, options, owned)
+        wrapper._fsdp_wrapped_module = module
+        return wrapper
 
     # -- the wrapped module -------------------------------------------------------------------
 
@@ -152,9 +171,18 @@ class ShardedDataParallel(nn.Module):
         return self._unit.training_state
 
     @property
+    def handles(self) -> List[FlatParamHandle]:
+        """The handles of this unit's ``FlatParameter``s: one per group of its parameters that
+        share dtype and ``requires_grad`` (none if it owns no parameters)."""
+        return list(self._unit.handles)
+
+    @property
     def handle(self) -> Optional[FlatParamHandle]:
-        """The handle of this unit's ``FlatParameter`` (``None`` if it owns no parameters)."""
-        return self._unit.handle
+        """This unit's only handle (``None`` if it owns no parameters)."""
+        handles = self._unit.handles
+        if len(handles) > 1:
+            raise ValueError(f"unit {display_name(self._unit.name)} has {len(handles)} FlatParameters; use .handles")
+        return handles[0] if handles else None
 
     # -- running ------------------------------------------------------------------------------
 
@@ -200,8 +228,7 @@ class ShardedDataParallel(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .to(), .cuda(), .double(), ... would convert only the shards, not the full flat
         # tensors the units gather into; refuse unless the conversion changes nothing.
-        handle = self._unit.handle
-        if handle is not None:
+        for handle in self._unit.handles:
             before = handle.flat_param.detach()[:0]
             after = fn(before)
             if (after.device, after.dtype) != (before.device, before.dtype):
@@ -217,13 +244,13 @@ class ShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         unit = self._unit
         text = f"{unit.config.sharding_strategy.name}, world_size={unit.world_size}, device={unit.device}"
-        handle = unit.handle
-        if handle is None:
+        if not unit.handles:
             return text + ", no parameters of its own"
-        return (
-            text + f", {len(handle.param_infos)} parameters, {handle.numel:,} elements "
-            f"({handle.shard_numel:,} on this rank)"
-        )
+        count = sum(len(h.param_infos) for h in unit.handles)
+        numel = sum(h.numel for h in unit.handles)
+        shard = sum(h.shard_numel for h in unit.handles)
+        groups = "" if len(unit.handles) == 1 else f" in {len(unit.handles)} FlatParameters"
+        return text + f", {count} parameters{groups}, {numel:,} elements ({shard:,} on this rank)"
 
     def __repr__(self) -> str:
         inner = repr(self._fsdp_wrapped_module).replace("\n", "\n  ")
@@ -248,6 +275,26 @@ _NOT_YET = (
     "optim_state_dict_to_load",
     "register_comm_hook",
 )
+
+
+def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigParam]:
+    """Apply the auto-wrap policy in ``options``: build every inner unit of the plan in
+    place (innermost first) and return the registrations the root unit itself flattens."""
+    if not isinstance(root, nn.Module) or isinstance(root, ShardedDataParallel):
+        return []  # build_unit reports it
+    ignored = resolve_ignored(root, options["ignored_modules"], options["ignored_states"], ShardedDataParallel)
+    plan = make_plan(
+        root,
+        options["auto_wrap_policy"],
+        wrapper_cls=ShardedDataParallel,
+        ignored_modules=ignored[0],
+        ignored_params=ignored[1],
+    )
+    for unit in plan[:-1]:
+        wrapper = ShardedDataParallel._planned(unit.module, unit_overrides(options, unit), unit.params)
+        for parent, attr in unit.slots:
+            setattr(parent, attr, wrapper)
+    return plan[-1].params
 
 
 def _not_yet(name: str) -> Any:

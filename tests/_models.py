@@ -254,12 +254,12 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every original parameter (tied ones under each name) gathered from the shards."""
     out: Dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
-        if isinstance(module, ShardedDataParallel) and module.handle is not None:
-            handle = module.handle
-            handle.unshard()
-            for param_name, tensor in handle.named_full_views():
-                out[join_name(clean_name(name), param_name)] = tensor.clone()
-            handle.reshard()
+        if isinstance(module, ShardedDataParallel):
+            for handle in module.handles:
+                handle.unshard()
+                for param_name, tensor in handle.named_full_views():
+                    out[join_name(clean_name(name), param_name)] = tensor.clone()
+                handle.reshard()
     return out
 
 
@@ -274,7 +274,7 @@ def assert_same_training(reference: Tuple[List[float], Dict[str, torch.Tensor]],
 
 
 def handles(model: nn.Module) -> List[Any]:
-    return [m.handle for m in ShardedDataParallel.fsdp_modules(model) if m.handle is not None]
+    return [h for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles]
 
 
 def strategy(name: str) -> ShardingStrategy:
@@ -286,3 +286,77 @@ def run_parity(rank: int, world_size: int, mode: str, steps: int = 5, micro_batc
     reference = train_reference(world_size, steps=steps, micro_batches=micro_batches)
     assert_same_training(reference, train_wrapped(rank, world_size, mode, steps=steps, micro_batches=micro_batches, **options))
 
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=False)  # a key bias gets an exactly-zero gradient (softmax
+        self.v = nn.Linear(dim, dim)  # ignores it) that AdamW would turn into noise-driven steps
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Layer(nn.Module):
+    """A transformer layer. ``frozen_attention`` freezes its attention (the fine-tuning case:
+    frozen and trainable parameters in one unit); ``float64_gain`` adds a float64 parameter
+    (two dtypes in one unit)."""
+
+    def __init__(self, dim: int, heads: int, frozen_attention: bool = False, float64_gain: bool = False) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.attn.requires_grad_(not frozen_attention)
+        self.gain = nn.Parameter(torch.ones(dim, dtype=torch.float64)) if float64_gain else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        x = x + self.mlp(self.ln2(x))
+        return x * self.gain.to(x.dtype) if self.gain is not None else x
+
+
+class SampleTransformer(nn.Module):
+    """Tied embedding/head, a positional buffer, a ModuleList of layers, a final norm."""
+
+    def __init__(self, n_layers: int = 2, dim: int = DIM, heads: int = 2, **layer_options: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.register_buffer("pos", torch.linspace(-0.5, 0.5, SEQ * dim).reshape(SEQ, dim))
+        self.layers = nn.ModuleList(Layer(dim, heads, **layer_options) for _ in range(n_layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.ln(h))
+
+
+def sample_transformer(seed: int = 0, **options: Any) -> SampleTransformer:
+    torch.manual_seed(seed)
+    return SampleTransformer(**options)
+
+
+def unit_tree(model: nn.Module) -> str:
+    """One line per unit: its name, module class, and per FlatParameter dtype/requires_grad/
+    parameter count/elements."""
+    lines = []
+    for m in ShardedDataParallel.fsdp_modules(model):
+        groups = ", ".join(
+            f"{str(h.dtype).replace('torch.', '')}{'' if h.requires_grad else ' frozen'} "
+            f"{len(h.param_infos)}p/{h.numel}" for h in m.handles
+        )
+        strategy = "" if m.sharding_strategy is ShardingStrategy.FULL_SHARD else f" {m.sharding_strategy.name}"
+        lines.append(f"{m._unit.name or '<root>'}: {type(m.module).__name__} [{groups or 'no parameters'}]{strategy}")
+    return "\n".join(lines)

@@ -30,9 +30,12 @@ class Recorder:
         self._all: List[Any] = []
 
     def attach(self, model: nn.Module) -> None:
-        units = [m for m in ShardedDataParallel.fsdp_modules(model) if m.handle is not None]
-        self._handles = {id(m.handle): m._unit.name or "root" for m in units}
-        self._all = [m.handle for m in units if m.handle.sharded]
+        self._handles = {}
+        for m in ShardedDataParallel.fsdp_modules(model):
+            for i, handle in enumerate(m.handles):
+                self._handles[id(handle)] = (m._unit.name or "root") + (f"#{i}" if i else "")
+                if handle.sharded:
+                    self._all.append(handle)
 
     def clear(self) -> None:
         self.events.clear()

@@ -10,6 +10,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import CPUOffload, MixedPrecision, ShardedDataParallel, ShardingStrategy
+from flatshard.wrap import CustomPolicy
 from tests._models import Block, build, wrap
 
 
@@ -27,18 +28,6 @@ def _error(rank, world_size, case):
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
     return None
-
-
-def _mixed_dtype():
-    module = Pair()
-    module.b.double()
-    ShardedDataParallel(module)
-
-
-def _mixed_requires_grad():
-    module = Pair()
-    module.a.requires_grad_(False)
-    ShardedDataParallel(module)
 
 
 def _integer_param():
@@ -96,8 +85,6 @@ def _option(**options):
 
 
 CASES = {
-    "mixed_dtype": _mixed_dtype,
-    "mixed_requires_grad": _mixed_requires_grad,
     "integer_param": _integer_param,
     "complex_param": _complex_param,
     "wrap_wrapper": _wrap_wrapper,
@@ -112,24 +99,35 @@ CASES = {
     "device_id_type": _option(device_id=1.5),
     "device_id_cuda_missing": _option(device_id=0),
     "group_and_mesh": _group_and_mesh,
-    "meta_module": lambda: ShardedDataParallel(Pair().to("meta")),
     "hybrid": _option(sharding_strategy=ShardingStrategy.HYBRID_SHARD),
     "hybrid_zero2": _option(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
     "group_pair": _group_pair,
     "offload": _option(cpu_offload=CPUOffload(offload_params=True)),
-    "auto_wrap": _option(auto_wrap_policy=lambda *a, **k: False),
+    "policy_type": _option(auto_wrap_policy=42),
+    "policy_override": lambda: ShardedDataParallel(Pair(), auto_wrap_policy=CustomPolicy(_override_ignored)),
     "mixed_precision": _option(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
-    "ignored_modules": lambda: _ignored(),
-    "ignored_states": _option(ignored_states=[nn.Parameter(torch.zeros(1))]),
-    "param_init_fn": _option(param_init_fn=lambda m: None),
-    "sync_module_states": _option(sync_module_states=True),
+    "ignored_both": _option(ignored_modules=[], ignored_states=[]),
+    "ignored_root": lambda: _ignored_root(),
+    "ignored_wrapper": lambda: _ignored_wrapper(),
+    "ignored_states_type": _option(ignored_states=[3]),
+    "param_init_fn_type": _option(param_init_fn=3),
     "use_orig_params": _option(use_orig_params=True),
 }
 
 
-def _ignored():
+def _ignored_root():
     module = Pair()
+    ShardedDataParallel(module, ignored_modules=[module])
+
+
+def _ignored_wrapper():
+    module = Pair()
+    module.a = ShardedDataParallel(module.a)
     ShardedDataParallel(module, ignored_modules=[module.a])
+
+
+def _override_ignored(module):
+    return {"ignored_modules": [module]} if isinstance(module, nn.Linear) else False
 
 
 def _accepted(rank, world_size):
@@ -158,18 +156,6 @@ class ErrorTest(TestCase):
         (result,) = self.pool.run(_error, 1, case)
         self.assertIsNotNone(result, f"{case} raised nothing")
         return ": ".join(result)
-
-    def test_mixed_dtype(self):
-        self.assertExpectedInline(
-            self.error("mixed_dtype"),
-            """ValueError: a unit flattens its parameters into one tensor, so they must share one dtype, but they differ: dtype=torch.float32: 'a.weight', 'a.bias'; dtype=torch.float64: 'b.weight', 'b.bias'. Either cast the module to one dtype, or wrap such parameters' modules in separate ShardedDataParallel units""",
-        )
-
-    def test_mixed_requires_grad(self):
-        self.assertExpectedInline(
-            self.error("mixed_requires_grad"),
-            """ValueError: a unit flattens its parameters into one tensor, so they must share one requires_grad, but they differ: requires_grad=False: 'a.weight', 'a.bias'; requires_grad=True: 'b.weight', 'b.bias'. Either set requires_grad alike for all of them, or wrap such parameters' modules in separate ShardedDataParallel units""",
-        )
 
     def test_integer_and_other_non_floating_parameters(self):
         self.assertExpectedInline(
@@ -235,21 +221,24 @@ class ErrorTest(TestCase):
 
     def test_unsupported_options_raise_not_implemented_naming_the_option(self):
         expected = {
-            "meta_module": "parameter 'a.weight' is on the meta device: deferred initialisation is not supported yet",
             "hybrid": "sharding_strategy=ShardingStrategy.HYBRID_SHARD is not supported yet",
             "hybrid_zero2": "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 is not supported yet",
             "group_pair": "process_group as a (shard group, replicate group) pair (hybrid sharding) is not supported yet",
             "offload": "cpu_offload=CPUOffload(offload_params=True) is not supported yet",
-            "auto_wrap": "auto_wrap_policy is not supported yet; wrap submodules by hand, innermost first",
             "mixed_precision": "mixed_precision is not supported yet",
-            "ignored_modules": "ignored_modules is not supported yet",
-            "ignored_states": "ignored_states is not supported yet",
-            "param_init_fn": "param_init_fn (deferred initialisation) is not supported yet",
-            "sync_module_states": "sync_module_states=True is not supported yet",
             "use_orig_params": "use_orig_params=True is not supported yet",
         }
         for case, message in expected.items():
             self.assertEqual(self.error(case), f"NotImplementedError: {message}", case)
+
+    def test_construction_option_errors(self):
+        self.assertExpectedInline(self.error("policy_type"), """TypeError: auto_wrap_policy must be a callable policy (such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})), a ModuleWrapPolicy or a CustomPolicy; got an object of type int""")
+        self.assertExpectedInline(self.error("policy_override"), """ValueError: the auto-wrap policy cannot override 'ignored_modules' for one unit (module Linear)""")
+        self.assertExpectedInline(self.error("ignored_both"), """ValueError: pass either ignored_modules or ignored_states, not both""")
+        self.assertExpectedInline(self.error("ignored_root"), """ValueError: the module being wrapped cannot itself be ignored""")
+        self.assertExpectedInline(self.error("ignored_wrapper"), """ValueError: ignored modules must not be ShardedDataParallel units; got one wrapping Linear""")
+        self.assertExpectedInline(self.error("ignored_states_type"), """TypeError: ignored_states must hold nn.Parameters or nn.Modules; got int""")
+        self.assertExpectedInline(self.error("param_init_fn_type"), """TypeError: param_init_fn must be callable; got 3""")
 
     def test_torch_fsdp1_enums_and_no_op_configs_are_accepted(self):
         (result,) = self.pool.run(_accepted, 1)

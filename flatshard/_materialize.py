@@ -1,0 +1,96 @@
+"""Deferred initialisation: a unit's parameters and buffers built on the ``meta`` device are
+materialised on the compute device just before the unit flattens and shards them, so at
+most about one unit's full parameters exist at a time.
+
+Without ``param_init_fn`` each module of the unit that holds meta tensors gets empty storage
+for them and its ``reset_parameters()`` is called; a module that holds meta tensors but has
+no ``reset_parameters()`` is an error (its values would be uninitialised memory). With
+``param_init_fn`` it is called on each such module instead. Either way a parameter shared by
+several modules stays one parameter (``Module.to_empty`` would split it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._common import describe_module
+from .flat_param import OrigParam
+
+_Modules = Sequence[Tuple[str, nn.Module]]
+
+
+def has_meta(params: Sequence[OrigParam], modules: _Modules) -> bool:
+    """Whether any of ``params`` or of ``modules``' own buffers is on the meta device."""
+    return any(p.param.is_meta for p in params) or any(_meta_buffers(m) for _, m in modules)
+
+
+def materialize(
+    params: Sequence[OrigParam],
+    modules: _Modules,
+    device: torch.device,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+) -> List[OrigParam]:
+    """Materialise and initialise ``params`` (the unit's registrations) and the buffers of
+    ``modules`` (the unit's own modules, with names); returns the registrations with their
+    new parameter objects."""
+    holders = {id(p.module) for p in params if p.param.is_meta}
+    targets = [(name, m) for name, m in modules if id(m) in holders or _meta_buffers(m)]
+    if param_init_fn is not None:
+        for _, module in targets:
+            param_init_fn(module)
+    else:
+        _empty_like_on(device, params, targets)
+        for name, module in targets:
+            reset = getattr(module, "reset_parameters", None)
+            if not callable(reset):
+                raise ValueError(
+                    f"{describe_module(name, module)} was built on the meta device but has no "
+                    f"reset_parameters() to initialise it; pass param_init_fn to ShardedDataParallel"
+                )
+            reset()
+    refreshed = _retie(params)
+    left = [p.name for p in refreshed if p.param.is_meta]
+    left += [f"{name}.{b}" if name else b for name, m in targets for b in _meta_buffers(m)]
+    if left:
+        raise ValueError(f"param_init_fn left {', '.join(repr(n) for n in left)} on the meta device")
+    return refreshed
+
+
+def _meta_buffers(module: nn.Module) -> List[str]:
+    return [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+
+
+def _empty_like_on(device: torch.device, params: Sequence[OrigParam], targets: _Modules) -> None:
+    fresh: Dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for p in params:
+            if p.param.is_meta:
+                new = fresh.get(id(p.param))
+                if new is None:
+                    new = nn.Parameter(torch.empty_like(p.param, device=device), requires_grad=p.param.requires_grad)
+                    fresh[id(p.param)] = new
+                p.module._parameters[p.attr_name] = new
+        for _, module in targets:
+            for name in _meta_buffers(module):
+                module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+
+
+def _retie(params: Sequence[OrigParam]) -> List[OrigParam]:
+    """The registrations with the parameters now on their modules; registrations of one
+    original parameter all get the same (first materialised) one, in case an init function
+    materialised them separately."""
+    by_original: Dict[int, nn.Parameter] = {}
+    for p in params:
+        current = p.module._parameters[p.attr_name]
+        if current is not None and not current.is_meta:
+            by_original.setdefault(id(p.param), current)
+    refreshed = []
+    for p in params:
+        chosen = by_original.get(id(p.param), p.module._parameters[p.attr_name])
+        p.module._parameters[p.attr_name] = chosen
+        refreshed.append(dataclasses.replace(p, param=chosen))
+    return refreshed
