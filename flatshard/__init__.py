@@ -22,7 +22,18 @@ from .api import (
     StateDictType,
 )
 from .flat_param import FlatParameter, FlatParamHandle
+from .plan import Plan, plan
 from .sharded_data_parallel import ShardedDataParallel
+from .wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
 
 # FSDP1's class name, so that only the module in an import line has to change.
 FullyShardedDataParallel = ShardedDataParallel
@@ -34,6 +45,16 @@ __all__ = [
     "FullyShardedDataParallel",
     "FlatParameter",
     "FlatParamHandle",
+    "plan",
+    "Plan",
+    "always_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "ModuleWrapPolicy",
+    "CustomPolicy",
+    "enable_wrap",
+    "wrap",
     "BackwardPrefetch",
     "CPUOffload",
     "FullOptimStateDictConfig",

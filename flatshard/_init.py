@@ -77,7 +77,7 @@ def build_unit(
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     handles = [
         FlatParamHandle(members, module, device, group, sharded, _attr_name(i), options["sync_module_states"])
-        for i, members in enumerate(_group_params(params))
+        for i, members in enumerate(group_params(params))
     ]
     unit = Unit(handles, config, group, device)
     register_hooks(unit)
@@ -89,7 +89,7 @@ def _attr_name(index: int) -> str:
     return FLAT_PARAM if index == 0 else f"{FLAT_PARAM}_{index}"
 
 
-def _group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
+def group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
     """One group per (dtype, requires_grad), in order of first appearance: each becomes one
     FlatParameter, so frozen parameters get no gradient and no reduction."""
     groups: Dict[Tuple[torch.dtype, bool], List[OrigParam]] = {}

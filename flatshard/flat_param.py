@@ -92,6 +92,15 @@ class ShardParamInfo:
     numel: int
 
 
+def shard_sizes(numel: int, world_size: int, sharded: bool) -> Tuple[int, int]:
+    """(padded numel, shard numel) of a flat tensor of ``numel`` elements: padded to a multiple
+    of ``world_size`` and split evenly when sharded (over more than one rank), else whole."""
+    if not sharded or world_size == 1:
+        return numel, numel
+    padded = math.ceil(numel / world_size) * world_size
+    return padded, padded // world_size
+
+
 def shard_param_infos(infos: Sequence[ParamInfo], shard_numel: int, rank: int) -> Tuple[ShardParamInfo, ...]:
     """Which original parameters (and which of their elements) ``rank``'s shard holds."""
     start, end = rank * shard_numel, (rank + 1) * shard_numel
@@ -144,8 +153,7 @@ class FlatParamHandle:
         self.requires_grad = params[0].param.requires_grad
         primaries, self.param_infos, self.shared_param_infos, slots = _layout(params)
         self.numel = sum(info.numel for info in self.param_infos)
-        self.padded_numel = math.ceil(self.numel / self.world_size) * self.world_size if self.sharded else self.numel
-        self.shard_numel = self.padded_numel // self.world_size if self.sharded else self.numel
+        self.padded_numel, self.shard_numel = shard_sizes(self.numel, self.world_size, self.sharded)
         self.shard_param_infos = shard_param_infos(self.param_infos, self.shard_numel, self.rank if self.sharded else 0)
         self._split_sizes = [info.numel for info in self.param_infos]
         if self.padded_numel > self.numel:

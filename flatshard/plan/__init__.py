@@ -1,0 +1,274 @@
+"""``flatshard.plan``: the units a ``ShardedDataParallel`` would build, without a process group.
+
+    python -m flatshard.plan my_models:build_gpt --world-size 8 --transformer-layer my_models:Block
+
+prints, per unit, its parameters, full and per-rank bytes and its FlatParameter groups, where
+tied parameters go, and an estimate of the per-rank peak parameter + gradient memory. The
+wrapper builds from the same plan (``_planning``), so the two agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._common import clean_name, coerce_enum
+from .._init import group_params, resolve_ignored
+from .._planning import PlannedUnit, make_plan
+from ..api import BackwardPrefetch, ShardingStrategy
+from ..flat_param import shard_sizes
+from ..sharded_data_parallel import ShardedDataParallel
+from ..wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+__all__ = ["plan", "Plan", "UnitPlan", "GroupPlan"]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One FlatParameter of a unit: parameters sharing dtype and ``requires_grad``."""
+
+    dtype: torch.dtype
+    requires_grad: bool
+    params: int
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: ``name`` is its module's path from the root (``""`` for the root)."""
+
+    name: str
+    module_type: str
+    sharding_strategy: ShardingStrategy
+    groups: Tuple[GroupPlan, ...]
+    tied: Tuple[Tuple[str, ...], ...]  # full names of each tied parameter this unit holds
+
+    @property
+    def params(self) -> int:
+        return sum(g.params for g in self.groups)
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the gathered (padded) flat tensors."""
+        return sum(g.padded_numel * g.itemsize for g in self.groups)
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes each rank keeps."""
+        return sum(g.shard_numel * g.itemsize for g in self.groups)
+
+    @property
+    def trainable_full_bytes(self) -> int:
+        return sum(g.padded_numel * g.itemsize for g in self.groups if g.requires_grad)
+
+    @property
+    def trainable_shard_bytes(self) -> int:
+        return sum(g.shard_numel * g.itemsize for g in self.groups if g.requires_grad)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model's units under a policy at a world size; ``str()`` is a table."""
+
+    world_size: int
+    units: Tuple[UnitPlan, ...]  # the root first, then the module order
+    prefetch: bool  # whether a second unit is gathered ahead (backward or forward prefetch)
+
+    def memory(self) -> Tuple[Tuple[str, int], ...]:
+        """The per-rank peak parameter + gradient memory estimate, by component.
+
+        [Note: peak estimate] Kept all the time: each rank's parameter shards and the
+        gradient shards of trainable groups (whole tensors for unsharded units). Added at the
+        peak of a step: the root's gathered parameters (kept from forward into backward),
+        every SHARD_GRAD_OP unit's (kept likewise), the largest FULL_SHARD unit's (computing)
+        and, with prefetch, the second largest's; plus the largest trainable unit's unsharded
+        gradient before it is reduced. Activations and optimizer state are not included.
+        """
+        sharded = [u for u in self.units if _is_sharded(u, self.world_size)]
+        kept = [u for u in sharded if u.name == "" or u.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP]
+        transient = sorted((u.full_bytes for u in sharded if u not in kept), reverse=True)[: 2 if self.prefetch else 1]
+        return (
+            ("parameter shards", sum(u.shard_bytes for u in self.units)),
+            ("gradient shards", sum(u.trainable_shard_bytes for u in self.units)),
+            ("gathered parameters", sum(u.full_bytes for u in kept) + sum(transient)),
+            ("unsharded gradient", max((u.trainable_full_bytes for u in sharded), default=0)),
+        )
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(value for _, value in self.memory())
+
+    def __str__(self) -> str:
+        rows = [("unit", "module", "strategy", "params", "elements", "full", "per rank", "flat parameters")]
+        for u in self.units:
+            groups = ", ".join(_group_text(g) for g in u.groups) or "-"
+            rows.append((u.name or "<root>", u.module_type, u.sharding_strategy.name, f"{u.params:,}", f"{u.numel:,}", _size(u.full_bytes), _size(u.shard_bytes), groups))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        count = len(self.units)
+        lines = [f"flatshard plan: {count} unit{'' if count == 1 else 's'}, world size {self.world_size}"]
+        for row in rows:
+            cells = [cell.rjust(w) if i in (3, 4, 5, 6) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+            lines.append("  ".join(cells + [row[-1]]).rstrip())
+        tied = [(names, u.name) for u in self.units for names in u.tied]
+        if tied:
+            lines.append("tied parameters:")
+            lines.extend(f"  {' = '.join(names)}  ->  {name or '<root>'}" for names, name in tied)
+        parts = " + ".join(f"{label} {_size(value)}" for label, value in self.memory())
+        lines.append(f"estimated peak per rank (parameters + gradients): {_size(self.peak_bytes)} = {parts}")
+        return "\n".join(lines)
+
+
+def plan(
+    module: nn.Module,
+    auto_wrap_policy: Optional[Any] = None,
+    world_size: int = 1,
+    sharding_strategy: Optional[ShardingStrategy] = None,
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    ignored_states: Optional[Iterable[Any]] = None,
+    print_table: bool = True,
+) -> Plan:
+    """The units ``ShardedDataParallel(module, auto_wrap_policy=..., ...)`` would build on
+    ``world_size`` ranks, computed without a process group (``module`` may be on the meta
+    device). Submodules that already are ``ShardedDataParallel`` units are reported as they are.
+
+    Args:
+        module: the model to wrap.
+        auto_wrap_policy: as for ``ShardedDataParallel``.
+        world_size: the number of ranks to shard over.
+        sharding_strategy: as for ``ShardingStrategy`` (default ``FULL_SHARD``); a
+            ``CustomPolicy`` may override it per unit.
+        backward_prefetch: as for ``ShardedDataParallel`` (affects the peak estimate).
+        forward_prefetch: as for ``ShardedDataParallel`` (affects the peak estimate).
+        ignored_modules: as for ``ShardedDataParallel``.
+        ignored_states: as for ``ShardedDataParallel``.
+        print_table: print the plan as a table.
+
+    Returns:
+        The ``Plan``; ``str(plan)`` is the table.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy", allow_none=True) or ShardingStrategy.FULL_SHARD
+    prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch", allow_none=True)
+    ignored = resolve_ignored(module, ignored_modules, ignored_states, ShardedDataParallel)
+    planned = make_plan(
+        module,
+        auto_wrap_policy if auto_wrap_policy is not None else ModuleWrapPolicy(()),
+        wrapper_cls=ShardedDataParallel,
+        ignored_modules=ignored[0],
+        ignored_params=ignored[1],
+    )
+    units = [_unit_plan(u, strategy, world_size) for u in planned] + _existing_units(module, world_size)
+    order = {clean_name(path): i for i, (path, _) in enumerate(module.named_modules())}
+    units.sort(key=lambda u: order.get(u.name, len(order)))
+    result = Plan(world_size, tuple(units), bool(prefetch) or forward_prefetch)
+    if print_table:
+        print(result)
+    return result
+
+
+def _unit_plan(unit: PlannedUnit, strategy: ShardingStrategy, world_size: int) -> UnitPlan:
+    strategy = coerce_enum(unit.overrides.get("sharding_strategy", strategy), ShardingStrategy, "sharding_strategy")  # type: ignore[assignment]
+    sharded = strategy is not ShardingStrategy.NO_SHARD
+    groups = []
+    for members in group_params(unit.params):
+        primaries = {id(p.param): p.param for p in members}.values()
+        numel = sum(p.numel() for p in primaries)
+        padded, shard = shard_sizes(numel, world_size, sharded)
+        first = members[0].param
+        groups.append(GroupPlan(first.dtype, first.requires_grad, len(primaries), numel, padded, shard))
+    return UnitPlan(unit.name, type(unit.module).__name__, strategy, tuple(groups), tuple(unit.tied))
+
+
+def _existing_units(root: nn.Module, world_size: int) -> List[UnitPlan]:
+    """Units the model already has (wrapped by hand), at the planned world size."""
+    found = []
+    for path, module in root.named_modules():
+        if isinstance(module, ShardedDataParallel) and module is not root:
+            groups = []
+            for h in module.handles:
+                padded, shard = shard_sizes(h.numel, world_size, module.sharding_strategy is not ShardingStrategy.NO_SHARD)
+                groups.append(GroupPlan(h.dtype, h.requires_grad, len(h.param_infos), h.numel, padded, shard))
+            found.append(UnitPlan(clean_name(path), type(module.module).__name__, module.sharding_strategy, tuple(groups), ()))
+    return found
+
+
+def _group_text(g: GroupPlan) -> str:
+    kind = str(g.dtype).replace("torch.", "") + ("" if g.requires_grad else " frozen")
+    return f"{kind} {g.params}p/{g.numel:,}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _is_sharded(unit: UnitPlan, world_size: int) -> bool:
+    return world_size > 1 and unit.sharding_strategy is not ShardingStrategy.NO_SHARD
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _load(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"expected MODULE:NAME, got {spec!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _policy(args: argparse.Namespace) -> Any:
+    chosen = [flag for flag in ("transformer_layer", "module_wrap", "min_num_params", "always") if getattr(args, flag)]
+    if len(chosen) > 1:
+        raise SystemExit(f"pick one policy; got --{' and --'.join(c.replace('_', '-') for c in chosen)}")
+    if args.transformer_layer:
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={_load(s) for s in args.transformer_layer})
+    if args.module_wrap:
+        return ModuleWrapPolicy({_load(s) for s in args.module_wrap})
+    if args.min_num_params:
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_num_params)
+    return always_wrap_policy if args.always else None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flatshard.plan", description="Show the units ShardedDataParallel would build.")
+    parser.add_argument("model", help="MODULE:CALLABLE returning the model, e.g. my_models:build")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--strategy", choices=[s.name for s in ShardingStrategy], default="FULL_SHARD")
+    parser.add_argument("--transformer-layer", action="append", metavar="MODULE:CLASS", help="transformer_auto_wrap_policy class (repeatable)")
+    parser.add_argument("--module-wrap", action="append", metavar="MODULE:CLASS", help="ModuleWrapPolicy class (repeatable)")
+    parser.add_argument("--min-num-params", type=int, help="size_based_auto_wrap_policy threshold")
+    parser.add_argument("--always", action="store_true", help="always_wrap_policy")
+    parser.add_argument("--no-meta", action="store_true", help="build the model for real instead of on the meta device")
+    args = parser.parse_args(argv)
+    factory = _load(args.model)
+    if args.no_meta:
+        model = factory()
+    else:
+        with torch.device("meta"):
+            model = factory()
+    plan(model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy])
+

@@ -1,0 +1,124 @@
+"""flatshard.plan reports exactly the units the wrapper builds, needs no process group, and
+runs from the command line."""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from expecttest import TestCase
+
+import flatshard
+from flatshard import ShardedDataParallel, ShardingStrategy
+from tests._models import Block, Layer, build, sample_transformer
+from tests.test_auto_wrap import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _layout_of_plan(plan):
+    return [
+        (u.name, u.sharding_strategy.name, [(str(g.dtype), g.requires_grad, g.params, g.numel, g.shard_numel) for g in u.groups])
+        for u in plan.units
+    ]
+
+
+def _layout_of_model(model):
+    return [
+        (
+            m._unit.name,
+            m.sharding_strategy.name,
+            [(str(h.dtype), h.requires_grad, len(h.param_infos), h.numel, h.shard_numel) for h in m.handles],
+        )
+        for m in ShardedDataParallel.fsdp_modules(model)
+    ]
+
+
+def _agree(rank, world_size, policy_name, model_options):
+    """The plan of an unwrapped copy (no process group needed) == what the wrapper builds."""
+    planned = flatshard.plan(
+        sample_transformer(**model_options), POLICIES[policy_name](), world_size=world_size, print_table=False
+    )
+    model = ShardedDataParallel(sample_transformer(**model_options), auto_wrap_policy=POLICIES[policy_name]())
+    return _layout_of_plan(planned), _layout_of_model(model)
+
+
+def _agree_with_hand_wrapped_units(rank, world_size):
+    module = build()
+    module.blocks[0] = ShardedDataParallel(module.blocks[0])  # already a unit: reported as is
+    planned = flatshard.plan(module, flatshard.ModuleWrapPolicy({Block}), world_size=world_size, print_table=False)
+    model = ShardedDataParallel(module, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    return _layout_of_plan(planned), _layout_of_model(model)
+
+
+class PlanAgreesWithWrapperTest(TestCase):
+    def test_every_policy_and_frozen_mixed_groups(self):
+        cases = [(name, {}) for name in POLICIES] + [("transformer", {"frozen_attention": True, "float64_gain": True})]
+        for name, options in cases:
+            for world_size in (2, 3):
+                planned, built = self.pool.run(_agree, world_size, name, options)[0]
+                self.assertEqual(planned, built, (name, options, world_size))
+
+    def test_hand_wrapped_units_are_reported(self):
+        planned, built = self.pool.run(_agree_with_hand_wrapped_units, 2)[0]
+        self.assertEqual(planned, built)
+
+
+class PlanTableTest(TestCase):
+    def test_table_of_a_frozen_fine_tuning_model_on_the_meta_device(self):
+        with torch.device("meta"):
+            model = sample_transformer(frozen_attention=True)
+        plan = flatshard.plan(
+            model,
+            functools.partial(flatshard.transformer_auto_wrap_policy, transformer_layer_cls={Layer}),
+            world_size=2,
+            print_table=False,
+        )
+        self.assertExpectedInline(str(plan), """\
+flatshard plan: 3 units, world size 2
+unit      module             strategy    params  elements     full  per rank  flat parameters
+<root>    SampleTransformer  FULL_SHARD       3       120    480 B     240 B  float32 3p/120
+layers.0  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 8p/312, float32 frozen 7p/280
+layers.1  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 8p/312, float32 frozen 7p/280
+tied parameters:
+  embed.weight = head.weight  ->  <root>
+estimated peak per rank (parameters + gradients): 10.3 KiB = parameter shards 2.5 KiB + gradient shards 1.5 KiB + gathered parameters 5.1 KiB + unsharded gradient 1.2 KiB""")
+        self.assertEqual(plan.peak_bytes, sum(v for _, v in plan.memory()))
+
+    def test_no_policy_and_no_shard(self):
+        plan = flatshard.plan(build(), world_size=4, sharding_strategy=ShardingStrategy.NO_SHARD, print_table=False)
+        self.assertExpectedInline(str(plan), """\
+flatshard plan: 1 unit, world size 4
+unit    module  strategy  params  elements     full  per rank  flat parameters
+<root>  TinyLM  NO_SHARD      21     1,008  3.9 KiB   3.9 KiB  float32 21p/1,008
+tied parameters:
+  embed.weight = head.weight  ->  <root>
+estimated peak per rank (parameters + gradients): 7.9 KiB = parameter shards 3.9 KiB + gradient shards 3.9 KiB + gathered parameters 0 B + unsharded gradient 0 B""")
+
+    def test_bad_world_size(self):
+        with self.assertRaisesRegex(ValueError, "world_size must be a positive int; got 0"):
+            flatshard.plan(build(), world_size=0)
+
+
+class PlanCommandLineTest(TestCase):
+    def test_python_m_flatshard_plan(self):
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run(
+            [sys.executable, "-m", "flatshard.plan", "tests._models:sample_transformer", "--world-size", "3",
+             "--transformer-layer", "tests._models:Layer"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stderr, "")
+        self.assertExpectedInline(done.stdout, """\
+flatshard plan: 3 units, world size 3
+unit      module             strategy    params  elements     full  per rank  flat parameters
+<root>    SampleTransformer  FULL_SHARD       3       120    480 B     160 B  float32 3p/120
+layers.0  Layer              FULL_SHARD      15       592  2.3 KiB     792 B  float32 15p/592
+layers.1  Layer              FULL_SHARD      15       592  2.3 KiB     792 B  float32 15p/592
+tied parameters:
+  embed.weight = head.weight  ->  <root>
+estimated peak per rank (parameters + gradients): 10.8 KiB = parameter shards 1.7 KiB + gradient shards 1.7 KiB + gathered parameters 5.1 KiB + unsharded gradient 2.3 KiB
+""")
