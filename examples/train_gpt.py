@@ -3,14 +3,15 @@
     python examples/train_gpt.py                 # starts 2 local CPU ranks (gloo) by itself
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 50   # the launcher's ranks
 
-Each transformer block is its own sharded unit; the embedding (tied to the output head) and
-the final norm live in the root unit. The corpus is generated deterministically (a random
+``transformer_auto_wrap_policy`` makes each transformer block its own sharded unit; the
+embedding (tied to the output head) and the final norm live in the root unit. The corpus is generated deterministically (a random
 Markov chain), so nothing is downloaded and the loss visibly falls.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import tempfile
@@ -22,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard import ShardedDataParallel, ShardingStrategy
+from flatshard import ShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,13 +90,15 @@ def train(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    options = dict(sharding_strategy=ShardingStrategy[args.strategy], device_id=device)
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = ShardedDataParallel(block, **options)
-    model = ShardedDataParallel(model, **options)
+    model = ShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
+        sharding_strategy=ShardingStrategy[args.strategy],
+        device_id=device,
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
-        total = sum(h.numel for h in (m.handle for m in ShardedDataParallel.fsdp_modules(model)) if h)
+        total = sum(h.numel for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles)
         print(f"{world} ranks, {total:,} parameters, {args.strategy}, device {device}", flush=True)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):

@@ -15,6 +15,7 @@ from torch import nn
 
 from ._collectives import (
     ProcessGroup,
+    all_gather_object,
     all_ranks_agree,
     backend_of,
     broadcast_from_first,
@@ -42,12 +43,13 @@ def build_unit(
     wrapper_cls: Type[nn.Module],
     options: Dict[str, Any],
     owned: Optional[List[OrigParam]] = None,
+    name: str = "",
 ) -> Unit:
     """Check ``options`` (the wrapper's constructor arguments) and flatten ``module``'s
     parameters into a new unit. ``wrapper_cls`` is the public wrapper class. ``owned``: the
     registrations this unit flattens, if a plan decided them (tied parameters placed in the
     lowest unit containing all their users); by default every parameter in ``module``'s tree
-    outside nested units and ignored states."""
+    outside nested units and ignored states. ``name``: the unit's path in a plan, for errors."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
     if isinstance(module, wrapper_cls):
@@ -57,21 +59,22 @@ def build_unit(
         )
     if options["auto_wrap_policy"] is not None:
         raise AssertionError("auto_wrap_policy must be planned before building a unit")
-    config = _check_options(options)
+    config = check_options(options)
     require_initialized()
     group = _resolve_group(options["process_group"], options["device_mesh"])
     ignored = resolve_ignored(module, options["ignored_modules"], options["ignored_states"], wrapper_cls)
-    found, buffers, nested, modules = _collect(module, wrapper_cls, ignored)
+    found, buffers, nested, modules = collect(module, wrapper_cls, ignored)
+    _check_ignored_not_meta(ignored)
     params = found if owned is None else owned
-    _check_ties(params, nested)
-    _check_params(params)
+    check_ties(params, nested, name)
+    check_params(params, name)
     device = _resolve_device(options["device_id"], params, buffers, nested, group)
     if has_meta(params, modules):
-        params = materialize(params, modules, device, options["param_init_fn"])
-        buffers = [(name, m, attr, m._buffers[attr]) for name, m, attr, _ in buffers]
+        params = materialize(params, modules, device, options["param_init_fn"], name)
+        buffers = [(b, m, attr, m._buffers[attr]) for b, m, attr, _ in buffers]
     _move_buffers(device, buffers)
     if options["sync_module_states"]:
-        _check_same_on_all_ranks(params, buffers, group, device)
+        _check_same_on_all_ranks(params, buffers, group, device, name)
         for _, _, _, buf in buffers:
             broadcast_from_first(buf, group)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
@@ -98,15 +101,22 @@ def group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
     return list(groups.values())
 
 
-def _check_same_on_all_ranks(params: List[OrigParam], buffers: _Buffers, group: ProcessGroup, device: torch.device) -> None:
+def _check_same_on_all_ranks(
+    params: List[OrigParam], buffers: _Buffers, group: ProcessGroup, device: torch.device, prefix: str
+) -> None:
     """Before broadcasting (``sync_module_states``): mismatched broadcasts would hang."""
-    layout = [(p.name, tuple(p.param.shape), str(p.param.dtype)) for p in params]
-    layout += [(name, tuple(b.shape), str(b.dtype)) for name, _, _, b in buffers]
-    if not all_ranks_agree(repr(layout), group, device):
-        raise ValueError(
-            f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap "
-            f"(parameter and buffer names, shapes or dtypes differ), so rank 0's cannot be broadcast"
-        )
+    layout = [f"{join_name(prefix, p.name)} {tuple(p.param.shape)} {p.param.dtype}" for p in params]
+    layout += [f"{join_name(prefix, name)} {tuple(b.shape)} {b.dtype}" for name, _, _, b in buffers]
+    if all_ranks_agree("\n".join(layout), group, device):
+        return
+    everyone = all_gather_object(layout, group)
+    rank = next(r for r in range(len(everyone)) if everyone[r] != everyone[0])
+    first = next(i for i in range(max(len(everyone[0]), len(everyone[rank]))) if everyone[0][i : i + 1] != everyone[rank][i : i + 1])
+    mine, theirs = (everyone[r][first] if first < len(everyone[r]) else "nothing" for r in (0, rank))
+    raise ValueError(
+        f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap, so "
+        f"rank 0's parameters and buffers cannot be broadcast: rank 0 has {mine}, rank {rank} has {theirs}"
+    )
 
 
 # -- options ------------------------------------------------------------------------------
@@ -114,7 +124,8 @@ def _check_same_on_all_ranks(params: List[OrigParam], buffers: _Buffers, group: 
 _LATER = "is not supported yet"
 
 
-def _check_options(o: Dict[str, Any]) -> UnitConfig:
+def check_options(o: Dict[str, Any]) -> UnitConfig:
+    """The unit's runtime options, after checking every constructor argument."""
     strategy = coerce_enum(o["sharding_strategy"], ShardingStrategy, "sharding_strategy", allow_none=True)
     strategy = strategy or ShardingStrategy.FULL_SHARD
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
@@ -171,17 +182,29 @@ def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any
             if item is module:
                 raise ValueError("the module being wrapped cannot itself be ignored")
             modules.update((id(m), m) for m in item.modules())
+            # also where another (managed) module shares them: they must stay whole
+            params.update((id(p), p) for p in item.parameters())
         else:
             what = "ignored_states must hold nn.Parameters or nn.Modules" if ignored_states is not None else "ignored_modules must hold nn.Modules"
             raise TypeError(f"{what}; got {type(item).__name__}")
     return modules, params
 
 
+def _check_ignored_not_meta(ignored: Ignored) -> None:
+    modules, params = ignored
+    tensors = list(params.values()) + [t for m in modules.values() for t in list(m.parameters(False)) + list(m.buffers(False))]
+    if any(t.is_meta for t in tensors):
+        raise ValueError(
+            "an ignored module or parameter is on the meta device; ignored states are not "
+            "materialised, so build them on a real device"
+        )
+
+
 _Nested = List[Tuple[str, Unit]]
 _Named = List[Tuple[str, nn.Module]]
 
 
-def _collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) -> Tuple[List[OrigParam], _Buffers, _Nested, _Named]:
+def collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) -> Tuple[List[OrigParam], _Buffers, _Nested, _Named]:
     """What ``module``'s tree has outside nested units and ignored states: parameter
     registrations, buffers and the modules themselves (named); plus every nested unit (any
     depth, named)."""
@@ -216,43 +239,45 @@ def _collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) 
     return params, buffers, nested, modules
 
 
-def _check_params(params: List[OrigParam]) -> None:
+def check_params(params: List[OrigParam], prefix: str = "") -> None:
+    """What a unit cannot flatten (names are relative to the unit's module at ``prefix``)."""
     for p in params:
+        name = join_name(prefix, p.name)
         if isinstance(p.param, FlatParameter):
             raise ValueError(
-                f"{describe_module(p.module_name, p.module)} is already wrapped by "
+                f"{describe_module(join_name(prefix, p.module_name), p.module)} is already wrapped by "
                 f"a ShardedDataParallel (it holds a FlatParameter); wrap each module once, and put "
                 f"the wrapper in its parent's place (e.g. model.block = ShardedDataParallel(model.block))"
             )
         if p.param.numel() == 0:
             raise ValueError(
-                f"parameter '{p.name}' has no elements. If it is tied to a parameter that another "
+                f"parameter '{name}' has no elements. If it is tied to a parameter that another "
                 f"ShardedDataParallel already flattened (which empties the original), wrap one module "
                 f"that contains all of its users instead; zero-size parameters are not supported"
             )
         if not p.param.is_floating_point():
             raise TypeError(
-                f"parameter '{p.name}' has dtype {p.param.dtype}; ShardedDataParallel shards "
+                f"parameter '{name}' has dtype {p.param.dtype}; ShardedDataParallel shards "
                 f"floating-point parameters only (register integer or boolean state as a buffer)"
             )
 
 
-def _check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]]) -> None:
+def check_ties(params: List[OrigParam], nested: List[Tuple[str, Unit]], prefix: str = "") -> None:
     """A parameter that a nested unit flattened must not be used outside it (the outer unit
     would flatten it again and the two copies would train apart)."""
     owner: Dict[int, Tuple[str, str]] = {}
     for unit_name, unit in nested:
         for handle in unit.handles:
             for param, name in handle.originals():
-                owner[id(param)] = (unit_name, join_name(unit_name, name))
+                owner[id(param)] = (join_name(prefix, unit_name), join_name(prefix, join_name(unit_name, name)))
     for p in params:
         hit = owner.get(id(p.param))
         if hit is not None:
             raise ValueError(
-                f"parameter '{hit[1]}' is shared with '{p.name}', but the nested unit "
-                f"{display_name(hit[0])} already flattened it while module {display_name(p.module_name)} "
-                f"outside that unit also uses it; do not wrap {display_name(hit[0])} separately "
-                f"(or wrap a module that contains both users)"
+                f"parameter '{hit[1]}' is shared with '{join_name(prefix, p.name)}', but the nested unit "
+                f"{display_name(hit[0])} already flattened it while module "
+                f"{display_name(join_name(prefix, p.module_name))} outside that unit also uses it; do not "
+                f"wrap {display_name(hit[0])} separately (or wrap a module that contains both users)"
             )
 
 

@@ -2,9 +2,10 @@
 materialised on the compute device just before the unit flattens and shards them, so at
 most about one unit's full parameters exist at a time.
 
-Without ``param_init_fn`` each module of the unit that holds meta tensors gets empty storage
-for them and its ``reset_parameters()`` is called; a module that holds meta tensors but has
-no ``reset_parameters()`` is an error (its values would be uninitialised memory). With
+Without ``param_init_fn`` the meta tensors get empty storage and ``reset_parameters()`` is
+called on every module of the unit that defines it and holds or contains them; a module that
+holds meta tensors with no ``reset_parameters()`` on it or around it is an error (its values
+would be uninitialised memory). With
 ``param_init_fn`` it is called on each such module instead. Either way a parameter shared by
 several modules stays one parameter (``Module.to_empty`` would split it).
 """
@@ -17,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._common import describe_module
+from ._common import describe_module, join_name
 from .flat_param import OrigParam
 
 _Modules = Sequence[Tuple[str, nn.Module]]
@@ -33,10 +34,11 @@ def materialize(
     modules: _Modules,
     device: torch.device,
     param_init_fn: Optional[Callable[[nn.Module], None]],
+    prefix: str = "",
 ) -> List[OrigParam]:
     """Materialise and initialise ``params`` (the unit's registrations) and the buffers of
-    ``modules`` (the unit's own modules, with names); returns the registrations with their
-    new parameter objects."""
+    ``modules`` (the unit's own modules, with names relative to its module at ``prefix``);
+    returns the registrations with their new parameter objects."""
     holders = {id(p.module) for p in params if p.param.is_meta}
     targets = [(name, m) for name, m in modules if id(m) in holders or _meta_buffers(m)]
     if param_init_fn is not None:
@@ -44,20 +46,37 @@ def materialize(
             param_init_fn(module)
     else:
         _empty_like_on(device, params, targets)
-        for name, module in targets:
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                raise ValueError(
-                    f"{describe_module(name, module)} was built on the meta device but has no "
-                    f"reset_parameters() to initialise it; pass param_init_fn to ShardedDataParallel"
-                )
-            reset()
+        _reset(modules, targets, prefix)
     refreshed = _retie(params)
-    left = [p.name for p in refreshed if p.param.is_meta]
-    left += [f"{name}.{b}" if name else b for name, m in targets for b in _meta_buffers(m)]
+    left = [join_name(prefix, p.name) for p in refreshed if p.param.is_meta]
+    left += [join_name(prefix, join_name(name, b)) for name, m in targets for b in _meta_buffers(m)]
     if left:
         raise ValueError(f"param_init_fn left {', '.join(repr(n) for n in left)} on the meta device")
     return refreshed
+
+
+def _reset(modules: _Modules, targets: _Modules, prefix: str) -> None:
+    """Call ``reset_parameters()`` on every module of the unit that defines it and holds, or
+    contains, materialised tensors: children first, so that a parent's own initialisation of
+    its children (a common pattern) has the last word. A module holding such tensors needs
+    ``reset_parameters()`` itself or on an ancestor."""
+    target_names = [name for name, _ in targets]
+
+    def involved(name: str) -> bool:
+        return any(t == name or not name or t.startswith(name + ".") for t in target_names)
+
+    resettable = {name for name, m in modules if callable(getattr(m, "reset_parameters", None))}
+    for name, module in targets:
+        covered = any(r == name or not r or name.startswith(r + ".") for r in resettable)
+        if not covered:
+            raise ValueError(
+                f"{describe_module(join_name(prefix, name), module)} was built on the meta device but "
+                f"neither it nor a module around it in its unit has reset_parameters() to initialise "
+                f"it; pass param_init_fn to ShardedDataParallel"
+            )
+    for name, module in reversed(modules):
+        if name in resettable and involved(name):
+            module.reset_parameters()
 
 
 def _meta_buffers(module: nn.Module) -> List[str]:

@@ -2,27 +2,33 @@
 modules become units, and which parameters each unit flattens.
 
 [Note: tied parameters in a plan] A parameter registered on several modules (a tied
-embedding and output head) belongs to the lowest unit that contains every module using it:
-the longest common prefix of the chains of units enclosing its registrations. That unit is
-gathered whenever any of the users computes (units nest, so an enclosing unit is gathered
-around its inner units' forward and backward), and it gets the whole gradient. Placing the
-parameter anywhere lower would train two copies apart.
+embedding and output head, or a module shared by two blocks) belongs to the lowest unit that
+contains every module using it: the lowest common ancestor, in the tree of units, of the
+units enclosing its registrations. That unit is gathered whenever any of the users computes
+(units nest, so an enclosing unit is gathered around its inner units' forward and backward),
+and it gets the whole gradient; anywhere lower, two copies would train apart. Containers
+without a forward of their own (``ModuleList``, ``ModuleDict``) never run, so they own
+nothing: their parameters go to the unit around them.
 
-The wrapper builds exactly this plan and ``flatshard.plan`` reports it, so they agree.
+The wrapper builds exactly this plan and ``flatshard.plan`` reports it, so they agree; both
+also run the same checks, so a plan is refused exactly when the wrapper would refuse it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Set, Tuple, Type
+from typing import Any, Dict, List, Optional, Set, Tuple, Type
 
 from torch import nn
 
-from ._common import display_name, join_name
+from ._common import describe_module, display_name, join_name
+from ._init import Ignored, check_options, check_params, check_ties, resolve_ignored, unit_of
+from ._unit import Unit
 from .flat_param import OrigParam
-from .wrap import select_units
+from .wrap import ModuleWrapPolicy, select_units
 
 _NOT_PER_UNIT = ("module", "auto_wrap_policy", "ignored_modules", "ignored_states")
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 @dataclass
@@ -32,49 +38,62 @@ class PlannedUnit:
     name: str  # the module's path from the root, as the user names it ("" for the root)
     module: nn.Module
     overrides: Dict[str, Any]  # constructor arguments that differ from the root's
+    parent: Optional["PlannedUnit"]  # the enclosing planned unit (None for the root)
     params: List[OrigParam] = field(default_factory=list)  # names relative to ``module``
-    slots: List[Tuple[nn.Module, str]] = field(default_factory=list)  # (parent, attribute) to put the wrapper in
+    slots: List[Tuple[nn.Module, str]] = field(default_factory=list)  # (parent module, attribute) to put the wrapper in
     tied: List[Tuple[str, ...]] = field(default_factory=list)  # full names of each tied parameter placed here
 
 
 @dataclass
 class _Registration:
-    path: str
+    unit: PlannedUnit  # the innermost planned unit enclosing the registering module
+    path: str  # full name: the unit's name, then the path below it
     module_path: str
     module: nn.Module
     attr: str
     param: nn.Parameter
-    chain: Tuple[int, ...]  # indices (into the unit list) of the units enclosing the module, outermost first
 
 
-def make_plan(
-    root: nn.Module,
-    policy: Any,
-    *,
-    wrapper_cls: Type[nn.Module],
-    ignored_modules: Dict[int, nn.Module],
-    ignored_params: Dict[int, nn.Parameter],
-) -> List[PlannedUnit]:
-    """The units to build for ``root`` under ``policy``, innermost first, the root last.
+def make_plan(root: nn.Module, options: Dict[str, Any], *, wrapper_cls: Type[nn.Module]) -> List[PlannedUnit]:
+    """The units to build for ``root`` under ``options["auto_wrap_policy"]`` (``None``: only
+    the root), innermost first, the root last, after every check the wrapper would make.
 
     Modules that already are ``wrapper_cls`` units are left alone (they own their parameters);
     ignored modules and parameters are left out.
     """
+    ignored = resolve_ignored(root, options["ignored_modules"], options["ignored_states"], wrapper_cls)
+    policy = options["auto_wrap_policy"] if options["auto_wrap_policy"] is not None else ModuleWrapPolicy(())
     targets = select_units(
         root,
         policy,
         is_wrapped=lambda m: isinstance(m, wrapper_cls),
-        ignored_modules=set(ignored_modules.values()),
-        ignored_params=set(ignored_params.values()),
+        ignored_modules=set(ignored[0].values()),
+        ignored_params=set(ignored[1].values()),
     )
-    for module, overrides in targets.items():
-        bad = [key for key in overrides if key in _NOT_PER_UNIT]
-        if bad:
-            raise ValueError(f"the auto-wrap policy cannot override {bad[0]!r} for one unit (module {type(module).__name__})")
-    units = [PlannedUnit("", root, {})]
-    registrations = _walk(root, targets, units, wrapper_cls, ignored_modules, ignored_params)
+    units = [PlannedUnit("", root, {}, None)]
+    registrations, nested = _walk(root, targets, units, wrapper_cls, ignored)
     _assign(registrations, units)
+    check_ties([OrigParam(r.path, r.module_path, r.module, r.attr, r.param) for r in registrations], nested)
+    for unit in units:
+        _check_overrides(unit)
+        check_options(unit_options(options, unit))
+        check_params(unit.params, unit.name)
     return _innermost_first(units)
+
+
+def unit_options(options: Dict[str, Any], unit: PlannedUnit) -> Dict[str, Any]:
+    """The constructor arguments of a planned unit: the root's, with its overrides and
+    without the policy."""
+    return {**options, **unit.overrides, "auto_wrap_policy": None}
+
+
+def _check_overrides(unit: PlannedUnit) -> None:
+    bad = [key for key in unit.overrides if key in _NOT_PER_UNIT]
+    if bad:
+        raise ValueError(
+            f"the auto-wrap policy cannot override {bad[0]!r} for one unit "
+            f"({describe_module(unit.name, unit.module)})"
+        )
 
 
 def _walk(
@@ -82,66 +101,84 @@ def _walk(
     targets: Dict[nn.Module, Dict[str, Any]],
     units: List[PlannedUnit],
     wrapper_cls: Type[nn.Module],
-    ignored_modules: Dict[int, nn.Module],
-    ignored_params: Dict[int, nn.Parameter],
-) -> List[_Registration]:
-    """Visit the tree once: create a planned unit per target, note where each one sits and
-    every parameter registration with the chain of units around it."""
+    ignored: Ignored,
+) -> Tuple[List[_Registration], List[Tuple[str, Unit]]]:
+    """Create a planned unit per target, note where each one sits, and every parameter
+    registration with its innermost unit. A module reachable by several paths is walked on
+    each, so its parameters count as used by every unit around it; a target unit is created
+    once (its wrapper is put in every place)."""
+    ignored_modules, ignored_params = ignored
     registrations: List[_Registration] = []
-    unit_of_module: Dict[int, int] = {id(root): 0}
-    seen: Set[int] = set()
+    nested: Dict[int, Tuple[str, Unit]] = {}
+    unit_of_module: Dict[int, PlannedUnit] = {id(root): units[0]}
+    walking: Set[int] = set()
 
-    def visit(module: nn.Module, path: str, chain: Tuple[int, ...]) -> None:
-        seen.add(id(module))
+    def visit(module: nn.Module, unit: PlannedUnit, below: str) -> None:
+        walking.add(id(module))
+        here = join_name(unit.name, below)
         for attr, param in module._parameters.items():
             if param is not None and id(param) not in ignored_params:
-                registrations.append(_Registration(join_name(path, attr), path, module, attr, param, chain))
+                registrations.append(_Registration(unit, join_name(here, attr), here, module, attr, param))
         for name, child in module._modules.items():
-            if child is None or id(child) in ignored_modules or isinstance(child, wrapper_cls):
+            if child is None or id(child) in ignored_modules or id(child) in walking:
                 continue
-            child_path = join_name(path, name)
-            child_chain = chain
-            if child in targets:
-                index = unit_of_module.get(id(child))
-                if index is None:
-                    index = unit_of_module[id(child)] = len(units)
-                    units.append(PlannedUnit(child_path, child, dict(targets[child])))
-                    child_chain = chain + (index,)
-                    units[index].slots.append((module, name))
-                    visit(child, child_path, child_chain)
-                else:  # the same module registered twice: one wrapper in both places
-                    units[index].slots.append((module, name))
-            elif id(child) not in seen:
-                visit(child, child_path, child_chain)
+            if isinstance(child, wrapper_cls):
+                wrapped = unit_of(child)
+                path = join_name(here, name)
+                nested.setdefault(id(child), (path, wrapped))
+                for inner_name, inner in wrapped.descendants:
+                    nested.setdefault(id(inner), (join_name(path, inner_name), inner))
+            elif child in targets:
+                _place_unit(child, module, name, join_name(here, name), unit, units, targets, unit_of_module, visit)
+            else:
+                visit(child, unit, join_name(below, name))
+        walking.discard(id(module))
 
-    visit(root, "", (0,))
-    return registrations
+    visit(root, units[0], "")
+    return registrations, list(nested.values())
+
+
+def _place_unit(child: nn.Module, parent: nn.Module, attr: str, path: str, enclosing: PlannedUnit,
+                units: List[PlannedUnit], targets: Dict[nn.Module, Dict[str, Any]],
+                unit_of_module: Dict[int, PlannedUnit], visit: Any) -> None:
+    unit = unit_of_module.get(id(child))
+    if unit is None:
+        unit = unit_of_module[id(child)] = PlannedUnit(path, child, dict(targets[child]), enclosing)
+        units.append(unit)
+        unit.slots.append((parent, attr))
+        visit(child, unit, "")
+    elif not any(m is parent and a == attr for m, a in unit.slots):
+        unit.slots.append((parent, attr))
 
 
 def _assign(registrations: List[_Registration], units: List[PlannedUnit]) -> None:
-    """Give each parameter (all its registrations) to the lowest unit enclosing all of them."""
+    """Give each parameter (all its registrations) to the lowest unit enclosing all of them
+    (see [Note: tied parameters in a plan])."""
+    def chain(unit: Optional[PlannedUnit]) -> List[PlannedUnit]:
+        out = []
+        while unit is not None:
+            out.append(unit)
+            unit = unit.parent
+        return out[::-1]
+
     by_param: Dict[int, List[_Registration]] = {}
     for reg in registrations:
         by_param.setdefault(id(reg.param), []).append(reg)
-    owner_of: Dict[int, int] = {}
-    for key, regs in by_param.items():
-        common = regs[0].chain
+    for regs in by_param.values():
+        common = chain(regs[0].unit)
         for reg in regs[1:]:
-            common = _common_prefix(common, reg.chain)
-        owner_of[key] = common[-1]
-        if len(regs) > 1:
-            units[common[-1]].tied.append(tuple(r.path for r in regs))
-    for reg in registrations:
-        owner = units[owner_of[id(reg.param)]]
-        relative = _relative(reg.path, owner.name)
-        owner.params.append(OrigParam(relative, _relative(reg.module_path, owner.name), reg.module, reg.attr, reg.param))
-
-
-def _common_prefix(a: Tuple[int, ...], b: Tuple[int, ...]) -> Tuple[int, ...]:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
+            other = chain(reg.unit)
+            n = 0
+            while n < min(len(common), len(other)) and common[n] is other[n]:
+                n += 1
+            common = common[:n]
+        owner = common[-1]
+        while owner.parent is not None and isinstance(owner.module, _CONTAINERS):
+            owner = owner.parent
+        if len({r.path for r in regs}) > 1:
+            owner.tied.append(tuple(r.path for r in regs))
+        for reg in regs:
+            owner.params.append(OrigParam(_relative(reg.path, owner.name), _relative(reg.module_path, owner.name), reg.module, reg.attr, reg.param))
 
 
 def _relative(path: str, prefix: str) -> str:
@@ -156,13 +193,10 @@ def _relative(path: str, prefix: str) -> str:
 
 def _innermost_first(units: List[PlannedUnit]) -> List[PlannedUnit]:
     """Units in the order they must be built: every unit after all units inside it."""
-    depth = {id(u): u.name.count(".") + (1 if u.name else 0) for u in units}
-    inner = sorted(units[1:], key=lambda u: -depth[id(u)])
-    return inner + [units[0]]
+    def depth(unit: PlannedUnit) -> int:
+        d = 0
+        while unit.parent is not None:
+            unit, d = unit.parent, d + 1
+        return d
 
-
-def unit_overrides(options: Dict[str, Any], unit: PlannedUnit) -> Dict[str, Any]:
-    """The constructor arguments of a planned inner unit: the root's, with its overrides and
-    without the policy."""
-    return {**options, **unit.overrides, "auto_wrap_policy": None}
-
+    return sorted(units[1:], key=lambda u: -depth(u)) + [units[0]]

@@ -7,7 +7,7 @@ reduced, parameters freed) -> IDLE (the root's end-of-backward callback). A unit
 handle per group of parameters sharing dtype and ``requires_grad``; each finishes on its own.
 A trainable handle is done when autograd has accumulated its full gradient (nothing in the
 backward can need its parameters after that); frozen handles are done when the gradients of
-the unit's forward inputs are complete. The callback is queued by whichever hook fires first
+the unit's forward inputs and its trainable handles are (see [Note: frozen handles]). The callback is queued by whichever hook fires first
 in a backward; it frees whatever is still gathered (a unit whose parameters got no gradient,
 a frozen unit whose inputs need none, a mistargeted prefetch) and starts a new iteration.
 
@@ -162,9 +162,10 @@ def _free(unit: Unit) -> None:
 
 def _hook_inputs_for_frozen_handles(unit: Unit, inputs: Any) -> None:
     """Frozen handles get no gradient to signal the end of their backward; the gradients of
-    the unit's inputs do instead."""
+    the unit's inputs do instead (see [Note: frozen handles])."""
     tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
     if tensors:
+        unit.open_input_hooks += 1
         register_multi_grad_hook(tensors, functools.partial(_post_backward_frozen, unit))
 
 
@@ -176,22 +177,25 @@ def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
     ctx = unit.ctx
     _queue_finalizer(ctx)  # type: ignore[arg-type]
     state = unit.training_state
-    if state is _BACKWARD_PRE:
-        return None  # another output of the same unit (or another use of it)
-    if state is _BACKWARD_POST and all(h.state is HandleState.UNSHARDED for h in unit.frozen):
-        # Trainable handles are complete, so nothing left in this backward needs them (e.g. a
-        # hook on an input the unit passed through). Frozen handles freed after one use's
-        # backward are gathered again for another use's.
-        return None
-    unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
-    unit.pending = set(unit.handles if state is _IDLE else unit.frozen)
-    for handle in unit.pending:
+    if state is _IDLE:
+        needed = list(unit.handles)
+    else:
+        # Another output or another use of the unit. Trainable handles whose gradient is
+        # complete are not needed again in this backward (e.g. a hook on an input the unit
+        # passed through); frozen handles freed meanwhile are gathered again.
+        needed = [h for h in unit.frozen if h.state is HandleState.SHARDED]
+        if not needed:
+            return None
+    if state is not _BACKWARD_PRE:
+        unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
+    unit.pending.update(needed)
+    for handle in needed:
         handle.drop_grad_if_zeroed()
         handle.unshard()
         # Views back on the modules, under autograd, for code that re-runs forward pieces
         # in backward (activation checkpointing) and reads the parameters from the modules.
         handle.use_views(track_grad=True)
-    if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if state is not _BACKWARD_PRE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_for_backward(unit)
     return None
 
@@ -202,7 +206,7 @@ def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> N
     if unit.training_state is _IDLE:
         # No output hook fired (outputs we could not see into); everything stayed gathered.
         unit.move((_IDLE,), _BACKWARD_PRE)
-        unit.pending = set(unit.handles)
+        unit.pending.update(unit.handles)
     if handle not in unit.pending:
         raise AssertionError(
             f"{unit.where()}: a second gradient reached the unit in one backward (reentrant "
@@ -219,15 +223,28 @@ def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> N
 
 
 def _post_backward_frozen(unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """The gradients of the unit's inputs are complete: its frozen handles are done."""
+    """The gradients of one forward's inputs to ``unit`` are complete."""
+    unit.open_input_hooks = max(0, unit.open_input_hooks - 1)
     if unit.training_state is _BACKWARD_PRE:
-        for handle in unit.frozen:
+        _done(unit, [])
+
+
+def _done(unit: Unit, finished: Sequence[FlatParamHandle]) -> None:
+    """Mark handles finished for this backward; free frozen handles once nothing can need
+    them; when all are finished the unit's backward is done.
+
+    [Note: frozen handles] A frozen parameter is needed in backward only to compute the
+    gradient of something upstream of it: an input of the unit, or (in a unit that also has
+    trainable parameters) a trainable parameter. So frozen handles are freed once the input
+    gradients of every forward of this iteration are complete (a unit may run several times)
+    and all trainable handles are done.
+    """
+    unit.pending.difference_update(finished)
+    frozen_pending = [h for h in unit.frozen if h in unit.pending]
+    if frozen_pending and unit.open_input_hooks == 0 and not any(h in unit.pending for h in unit.trainable):
+        for handle in frozen_pending:
             handle.reshard()
-        _done(unit, unit.frozen)
-
-
-def _done(unit: Unit, handles: Sequence[FlatParamHandle]) -> None:
-    unit.pending.difference_update(handles)
+        unit.pending.difference_update(frozen_pending)
     if not unit.pending:
         unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
         if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -254,6 +271,7 @@ def _finalize_backward(ctx: RootContext) -> None:
     for unit in ctx.units:
         _free(unit)
         unit.pending.clear()
+        unit.open_input_hooks = 0
         unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
     ctx.exec_order.end_iteration()
     ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)

@@ -69,6 +69,9 @@ class Unit:
         self.sync_gradients = True
         # Handles whose backward has not finished yet in the current backward.
         self.pending: Set[FlatParamHandle] = set()
+        # Input-gradient hooks of this iteration's forwards that have not fired yet (they
+        # signal when frozen handles are no longer needed; see _runtime).
+        self.open_input_hooks = 0
         self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
 
     @property

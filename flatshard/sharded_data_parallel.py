@@ -11,8 +11,8 @@ from torch import nn
 
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, display_name
-from ._init import build_unit, resolve_ignored
-from ._planning import make_plan, unit_overrides
+from ._init import build_unit
+from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
 from ._unit import lazy_init
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -81,6 +81,10 @@ class ShardedDataParallel(nn.Module):
         device_mesh: Optional[Any] = None,
     ) -> None:
         super().__init__()
+        if ignored_modules is not None:
+            ignored_modules = list(ignored_modules)  # read more than once (plan, units)
+        if ignored_states is not None:
+            ignored_states = list(ignored_states)
         options = dict(
             process_group=process_group,
             sharding_strategy=sharding_strategy,
@@ -106,11 +110,11 @@ class ShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
 
     @classmethod
-    def _planned(cls, module: nn.Module, options: Dict[str, Any], owned: List[OrigParam]) -> "ShardedDataParallel":
+    def _planned(cls, module: nn.Module, options: Dict[str, Any], owned: List[OrigParam], name: str) -> "ShardedDataParallel":
         """An inner unit of an auto-wrap plan (``options`` without the policy)."""
         wrapper = cls.__new__(cls)
         nn.Module.__init__(wrapper)
-        wrapper._unit = build_unit(module, cls, options, owned)
+        wrapper._unit = build_unit(module, cls, options, owned, name)
         wrapper._fsdp_wrapped_module = module
         return wrapper
 
@@ -226,18 +230,21 @@ class ShardedDataParallel(nn.Module):
         raise NotImplementedError("load_state_dict() of a ShardedDataParallel model is not supported yet")
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
-        # .to(), .cuda(), .double(), ... would convert only the shards, not the full flat
-        # tensors the units gather into; refuse unless the conversion changes nothing.
+        # .to(), .cuda(), .double(), to_empty(), ... would replace only the shards, not the
+        # full flat tensors the units gather into; refuse unless the conversion is a no-op.
         for handle in self._unit.handles:
-            before = handle.flat_param.detach()[:0]
+            before = handle.flat_param.detach()
             after = fn(before)
-            if (after.device, after.dtype) != (before.device, before.dtype):
+            if after is not before:
+                change = f"{before.device}/{before.dtype} -> {after.device}/{after.dtype}"
                 raise NotImplementedError(
-                    f"moving or casting a ShardedDataParallel model after wrapping (from "
-                    f"{before.device}/{before.dtype} to {after.device}/{after.dtype}) is not "
-                    f"supported; do it before wrapping, or pass device_id"
+                    f"moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is "
+                    f"built ({change}) is not supported: convert the model before wrapping, or pass "
+                    f"device_id (a param_init_fn must not recurse into submodules: use "
+                    f"module.to_empty(device=..., recurse=False))"
                 )
         return super()._apply(fn, recurse)  # type: ignore[call-arg]
+
 
     # -- display ------------------------------------------------------------------------------
 
@@ -278,20 +285,13 @@ _NOT_YET = (
 
 
 def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigParam]:
-    """Apply the auto-wrap policy in ``options``: build every inner unit of the plan in
-    place (innermost first) and return the registrations the root unit itself flattens."""
+    """Apply the auto-wrap policy in ``options``: check the whole plan, then build every
+    inner unit (innermost first) in place and return what the root unit itself flattens."""
     if not isinstance(root, nn.Module) or isinstance(root, ShardedDataParallel):
         return []  # build_unit reports it
-    ignored = resolve_ignored(root, options["ignored_modules"], options["ignored_states"], ShardedDataParallel)
-    plan = make_plan(
-        root,
-        options["auto_wrap_policy"],
-        wrapper_cls=ShardedDataParallel,
-        ignored_modules=ignored[0],
-        ignored_params=ignored[1],
-    )
+    plan = make_plan(root, options, wrapper_cls=ShardedDataParallel)
     for unit in plan[:-1]:
-        wrapper = ShardedDataParallel._planned(unit.module, unit_overrides(options, unit), unit.params)
+        wrapper = ShardedDataParallel._planned(unit.module, unit_options(options, unit), unit.params, unit.name)
         for parent, attr in unit.slots:
             setattr(parent, attr, wrapper)
     return plan[-1].params

@@ -325,10 +325,12 @@ class Layer(nn.Module):
 
 
 class SampleTransformer(nn.Module):
-    """Tied embedding/head, a positional buffer, a ModuleList of layers, a final norm."""
+    """Tied embedding/head, a positional buffer, a ModuleList of layers, a final norm;
+    ``reuse_first_layer`` runs layer 0 twice."""
 
-    def __init__(self, n_layers: int = 2, dim: int = DIM, heads: int = 2, **layer_options: Any) -> None:
+    def __init__(self, n_layers: int = 2, dim: int = DIM, heads: int = 2, reuse_first_layer: bool = False, **layer_options: Any) -> None:
         super().__init__()
+        self.reuse_first_layer = reuse_first_layer
         self.embed = nn.Embedding(VOCAB, dim)
         self.register_buffer("pos", torch.linspace(-0.5, 0.5, SEQ * dim).reshape(SEQ, dim))
         self.layers = nn.ModuleList(Layer(dim, heads, **layer_options) for _ in range(n_layers))
@@ -338,7 +340,7 @@ class SampleTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for layer in self.layers:
+        for layer in ([self.layers[0]] if self.reuse_first_layer else []) + list(self.layers):
             h = layer(h)
         return self.head(self.ln(h))
 

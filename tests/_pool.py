@@ -130,20 +130,30 @@ class RankPool:
     def _collect(self, task_id: int, world_size: int, timeout: float) -> dict:
         outcomes: dict = {}
         deadline = time.monotonic() + timeout
-        while len(outcomes) < world_size:
+        while len(outcomes) < world_size and time.monotonic() < deadline:
             # Once a rank failed, the others may be stuck in a collective it skipped.
             if any(not ok for ok, _ in outcomes.values()):
                 deadline = min(deadline, time.monotonic() + 10.0)
             try:
-                got_id, index, outcome = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                got_id, index, outcome = self._results.get(timeout=1.0)
             except queue.Empty:
-                break
+                self._note_dead(outcomes, world_size)
+                continue
             if got_id == task_id:
                 outcomes[index] = outcome
         for index in range(world_size):
-            if index not in outcomes:
+            if index not in outcomes or not self._workers[index].is_alive():  # type: ignore[union-attr]
                 self._replace(index)
         return outcomes
+
+    def _note_dead(self, outcomes: dict, world_size: int) -> None:
+        """A rank process that died (e.g. a segfault) reports as a failure at once."""
+        for index in range(world_size):
+            worker = self._workers[index]
+            if index not in outcomes and worker is not None and not worker.is_alive():
+                code = worker.exitcode
+                why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                outcomes[index] = (False, (RankFailure(f"rank {index} died ({why})"), f"rank {index} died ({why})\n"))
 
     def close(self) -> None:
         for index, worker in enumerate(self._workers):

@@ -165,7 +165,7 @@ class DeferredInitTest(TestCase):
     def test_meta_module_without_reset_parameters_is_refused(self):
         with self.assertRaises(ValueError) as caught:
             self.pool.run(_deferred_without_reset_parameters, 1)
-        self.assertExpectedInline(str(caught.exception), """the module (TinyLM) was built on the meta device but has no reset_parameters() to initialise it; pass param_init_fn to ShardedDataParallel""")
+        self.assertExpectedInline(str(caught.exception), """the module (TinyLM) was built on the meta device but neither it nor a module around it in its unit has reset_parameters() to initialise it; pass param_init_fn to ShardedDataParallel""")
 
 
 class SyncModuleStatesTest(TestCase):
@@ -194,3 +194,89 @@ blocks.2: Block [float32 6p/296]""")
 blocks.0: Block [float32 6p/296]
 blocks.1: Block [float32 6p/296]
 blocks.2: Block [float32 6p/296]""")
+
+
+def _recursive_init(module):
+    module.to_empty(device="cpu")  # recurse=True: would re-allocate the units built inside
+
+
+def _deferred_recursive_init_fn(rank, world_size):
+    with torch.device("meta"):
+        module = TinyLM()
+    ShardedDataParallel(module, auto_wrap_policy=BLOCKS, param_init_fn=_recursive_init)
+
+
+def _deferred_ties_train(rank, world_size):
+    """The tie survives deferred initialisation: one FlatParameter entry with an alias, and
+    training (where a split tie would drift apart) matches one process."""
+    with torch.device("meta"):
+        module = TinyLM()
+    model = ShardedDataParallel(module, auto_wrap_policy=BLOCKS, param_init_fn=_linspace_init)
+    aliases = [s.name for s in model.handle.shared_param_infos]
+    reference = TinyLM()
+    reference.apply(_linspace_init)
+    from tests._models import _train
+
+    losses = _train(model, world_size, 3, 1, rank)
+    ref_losses = _train(reference, world_size, 3, 1, None)
+    ref_params = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
+    assert_same_training((ref_losses, ref_params), (losses, full_params(model)))
+    return aliases
+
+
+class Scaled(nn.Module):
+    """Its own reset_parameters() initialises its child: it must win over the child's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.fc.weight.fill_(0.25)
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _parent_reset_wins(rank, world_size):
+    with torch.device("meta"):
+        module = nn.Sequential(Scaled(), Scaled())
+    model = ShardedDataParallel(module, auto_wrap_policy=ModuleWrapPolicy({Scaled}))
+    params = full_params(model)
+    return sorted({float(v) for name, t in params.items() if name.endswith("weight") for v in t.flatten()})
+
+
+def _sync_mismatch(rank, world_size):
+    module = Block(8 if rank == 0 else 12)
+    ShardedDataParallel(module, sync_module_states=True)
+
+
+def _ignored_generator(rank, world_size):
+    module = build()
+    model = ShardedDataParallel(module, auto_wrap_policy=BLOCKS, ignored_modules=(m for m in [module.blocks[1]]))
+    return unit_tree(model)
+
+
+class MoreConstructionTest(TestCase):
+    def test_recursive_param_init_fn_is_refused(self):
+        with self.assertRaises(NotImplementedError) as caught:
+            self.pool.run(_deferred_recursive_init_fn, 1)
+        self.assertIn("use module.to_empty(device=..., recurse=False)", str(caught.exception))
+
+    def test_deferred_init_keeps_ties_through_training(self):
+        aliases = self.pool.run(_deferred_ties_train, 2)[0]
+        self.assertEqual(aliases, ["head.weight"])
+
+    def test_reset_parameters_of_a_parent_wins(self):
+        self.assertEqual(self.pool.run(_parent_reset_wins, 2)[0], [0.25])
+
+    def test_sync_module_states_with_different_modules_is_an_error_not_a_hang(self):
+        with self.assertRaises(ValueError) as caught:
+            self.pool.run(_sync_mismatch, 2, timeout=60)
+        self.assertExpectedInline(str(caught.exception), """[rank 0] sync_module_states: the ranks built different modules to wrap, so rank 0's parameters and buffers cannot be broadcast: rank 0 has norm.weight (8,) torch.float32, rank 1 has norm.weight (12,) torch.float32""")
+
+    def test_ignored_modules_may_be_a_generator(self):
+        tree = self.pool.run(_ignored_generator, 2)[0]
+        self.assertNotIn("blocks.1", tree)

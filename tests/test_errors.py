@@ -233,7 +233,7 @@ class ErrorTest(TestCase):
 
     def test_construction_option_errors(self):
         self.assertExpectedInline(self.error("policy_type"), """TypeError: auto_wrap_policy must be a callable policy (such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})), a ModuleWrapPolicy or a CustomPolicy; got an object of type int""")
-        self.assertExpectedInline(self.error("policy_override"), """ValueError: the auto-wrap policy cannot override 'ignored_modules' for one unit (module Linear)""")
+        self.assertExpectedInline(self.error("policy_override"), """ValueError: the auto-wrap policy cannot override 'ignored_modules' for one unit (module 'a' (Linear))""")
         self.assertExpectedInline(self.error("ignored_both"), """ValueError: pass either ignored_modules or ignored_states, not both""")
         self.assertExpectedInline(self.error("ignored_root"), """ValueError: the module being wrapped cannot itself be ignored""")
         self.assertExpectedInline(self.error("ignored_wrapper"), """ValueError: ignored modules must not be ShardedDataParallel units; got one wrapping Linear""")

@@ -122,3 +122,38 @@ tied parameters:
   embed.weight = head.weight  ->  <root>
 estimated peak per rank (parameters + gradients): 10.8 KiB = parameter shards 1.7 KiB + gradient shards 1.7 KiB + gathered parameters 5.1 KiB + unsharded gradient 2.3 KiB
 """)
+
+
+def _hand_split_tie():
+    module = build()
+    module.embed = ShardedDataParallel(module.embed)  # splits the embed/head tie
+    return module
+
+
+def _wrapper_error(rank, world_size, case):
+    try:
+        if case == "hybrid":
+            ShardedDataParallel(build(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+        else:
+            ShardedDataParallel(_hand_split_tie(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+def _plan_error(rank, world_size, case):
+    try:
+        if case == "hybrid":
+            flatshard.plan(build(), flatshard.ModuleWrapPolicy({Block}), world_size=2, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        else:
+            flatshard.plan(_hand_split_tie(), flatshard.ModuleWrapPolicy({Block}), world_size=2)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+
+
+class PlanRefusesWhatTheWrapperRefusesTest(TestCase):
+    def test_same_errors(self):
+        for case in ("hybrid", "hand_split_tie"):
+            wrapper = self.pool.run(_wrapper_error, 1, case)[0]
+            planned = self.pool.run(_plan_error, 1, case)[0]
+            self.assertIsNotNone(wrapper, case)
+            self.assertEqual(planned, wrapper, case)

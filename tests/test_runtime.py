@@ -125,6 +125,7 @@ SCENARIOS = {
     "checkpoint_inside_units": ({"checkpoint": "inner"}, _plain_step, "nested"),
     "checkpoint_around_units": ({"checkpoint": "outer"}, _plain_step, "nested"),
     "frozen_block_unit": ({"frozen_blocks": (1,)}, _plain_step, "nested"),
+    "frozen_block_unit_used_twice": ({"frozen_blocks": (0,), "reuse_first_block": True}, _plain_step, "nested"),
     "frozen_embedding_unit": ({"untied_head": True, "frozen_embed": True}, _plain_step, "nested+embed"),
     "unit_returning_its_weight": ({"untied_head": True}, _plain_step, "nested+head"),
     "root_without_parameters": ({}, _plain_step, "empty_root"),
@@ -379,8 +380,8 @@ class ConveniencesTest(TestCase):
         self.assertExpectedInline(
             "\n".join(outcome),
             """\
-moving or casting a ShardedDataParallel model after wrapping (from cpu/torch.float32 to cpu/torch.float64) is not supported; do it before wrapping, or pass device_id
-moving or casting a ShardedDataParallel model after wrapping (from cpu/torch.float32 to cpu/torch.float16) is not supported; do it before wrapping, or pass device_id
+moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float64) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
+moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float16) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
 ShardedDataParallel.full_optim_state_dict is not supported yet
 ShardedDataParallel.clip_grad_norm_ is not supported yet
 ShardedDataParallel.summon_full_params is not supported yet

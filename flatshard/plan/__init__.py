@@ -13,14 +13,16 @@ import argparse
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .._common import clean_name, coerce_enum
-from .._init import group_params, resolve_ignored
-from .._planning import PlannedUnit, make_plan
+from .._common import clean_name
+import torch.distributed as dist
+
+from .._init import check_options, group_params
+from .._planning import PlannedUnit, make_plan, unit_options
 from ..api import BackwardPrefetch, ShardingStrategy
 from ..flat_param import shard_sizes
 from ..sharded_data_parallel import ShardedDataParallel
@@ -54,6 +56,8 @@ class UnitPlan:
     sharding_strategy: ShardingStrategy
     groups: Tuple[GroupPlan, ...]
     tied: Tuple[Tuple[str, ...], ...]  # full names of each tied parameter this unit holds
+    parent: Optional[str] = None  # the enclosing unit's name (None for the root)
+    world_size: int = 1  # of the group it shards over
 
     @property
     def params(self) -> int:
@@ -95,18 +99,32 @@ class Plan:
 
         [Note: peak estimate] Kept all the time: each rank's parameter shards and the
         gradient shards of trainable groups (whole tensors for unsharded units). Added at the
-        peak of a step: the root's gathered parameters (kept from forward into backward),
-        every SHARD_GRAD_OP unit's (kept likewise), the largest FULL_SHARD unit's (computing)
-        and, with prefetch, the second largest's; plus the largest trainable unit's unsharded
-        gradient before it is reduced. Activations and optimizer state are not included.
+        busiest moment of a step: the gathered parameters of the root and of every
+        SHARD_GRAD_OP unit (kept from forward into backward), of the FULL_SHARD unit whose
+        chain of enclosing FULL_SHARD units is largest (they stay gathered around it) and,
+        with prefetch, of the next largest FULL_SHARD unit; plus the largest trainable unit's
+        unsharded gradient before it is reduced. Activations and optimizer state are not
+        included.
         """
-        sharded = [u for u in self.units if _is_sharded(u, self.world_size)]
-        kept = [u for u in sharded if u.name == "" or u.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP]
-        transient = sorted((u.full_bytes for u in sharded if u not in kept), reverse=True)[: 2 if self.prefetch else 1]
+        by_name = {u.name: u for u in self.units}
+        sharded = [u for u in self.units if _is_sharded(u)]
+        kept = {u.name for u in sharded if u.name == "" or u.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP}
+        computing = [u for u in sharded if u.name not in kept]
+
+        def chain_bytes(unit: UnitPlan) -> int:
+            total, parent = unit.full_bytes, unit.parent
+            while parent is not None and parent in by_name:
+                enclosing = by_name[parent]
+                total += enclosing.full_bytes if enclosing in computing else 0
+                parent = enclosing.parent
+            return total
+
+        busiest = max((chain_bytes(u) for u in computing), default=0)
+        ahead = sorted((u.full_bytes for u in computing), reverse=True)[1:2] if self.prefetch else []
         return (
             ("parameter shards", sum(u.shard_bytes for u in self.units)),
             ("gradient shards", sum(u.trainable_shard_bytes for u in self.units)),
-            ("gathered parameters", sum(u.full_bytes for u in kept) + sum(transient)),
+            ("gathered parameters", sum(by_name[n].full_bytes for n in kept) + busiest + sum(ahead)),
             ("unsharded gradient", max((u.trainable_full_bytes for u in sharded), default=0)),
         )
 
@@ -166,36 +184,49 @@ def plan(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    strategy = coerce_enum(sharding_strategy, ShardingStrategy, "sharding_strategy", allow_none=True) or ShardingStrategy.FULL_SHARD
-    prefetch = coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch", allow_none=True)
-    ignored = resolve_ignored(module, ignored_modules, ignored_states, ShardedDataParallel)
-    planned = make_plan(
-        module,
-        auto_wrap_policy if auto_wrap_policy is not None else ModuleWrapPolicy(()),
-        wrapper_cls=ShardedDataParallel,
-        ignored_modules=ignored[0],
-        ignored_params=ignored[1],
+    options = dict(
+        process_group=None,
+        sharding_strategy=sharding_strategy,
+        cpu_offload=None,
+        auto_wrap_policy=auto_wrap_policy,
+        backward_prefetch=backward_prefetch,
+        mixed_precision=None,
+        ignored_modules=None if ignored_modules is None else list(ignored_modules),
+        param_init_fn=None,
+        device_id=None,
+        sync_module_states=False,
+        forward_prefetch=forward_prefetch,
+        limit_all_gathers=True,
+        use_orig_params=False,
+        ignored_states=None if ignored_states is None else list(ignored_states),
+        device_mesh=None,
     )
-    units = [_unit_plan(u, strategy, world_size) for u in planned] + _existing_units(module, world_size)
+    planned = make_plan(module, options, wrapper_cls=ShardedDataParallel)
+    units = [_unit_plan(u, options, world_size) for u in planned] + _existing_units(module, world_size)
     order = {clean_name(path): i for i, (path, _) in enumerate(module.named_modules())}
     units.sort(key=lambda u: order.get(u.name, len(order)))
-    result = Plan(world_size, tuple(units), bool(prefetch) or forward_prefetch)
+    prefetch = check_options(options).backward_prefetch is not None or forward_prefetch
+    result = Plan(world_size, tuple(units), prefetch)
     if print_table:
         print(result)
     return result
 
 
-def _unit_plan(unit: PlannedUnit, strategy: ShardingStrategy, world_size: int) -> UnitPlan:
-    strategy = coerce_enum(unit.overrides.get("sharding_strategy", strategy), ShardingStrategy, "sharding_strategy")  # type: ignore[assignment]
-    sharded = strategy is not ShardingStrategy.NO_SHARD
+def _unit_plan(unit: PlannedUnit, options: Dict[str, Any], world_size: int) -> UnitPlan:
+    config = check_options(unit_options(options, unit))
+    size = world_size
+    if unit.overrides.get("process_group") is not None:
+        size = dist.get_world_size(unit.overrides["process_group"])  # a group exists only if initialised
+    sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     groups = []
     for members in group_params(unit.params):
         primaries = {id(p.param): p.param for p in members}.values()
         numel = sum(p.numel() for p in primaries)
-        padded, shard = shard_sizes(numel, world_size, sharded)
+        padded, shard = shard_sizes(numel, size, sharded)
         first = members[0].param
         groups.append(GroupPlan(first.dtype, first.requires_grad, len(primaries), numel, padded, shard))
-    return UnitPlan(unit.name, type(unit.module).__name__, strategy, tuple(groups), tuple(unit.tied))
+    parent = None if unit.parent is None else unit.parent.name
+    return UnitPlan(unit.name, type(unit.module).__name__, config.sharding_strategy, tuple(groups), tuple(unit.tied), parent, size)
 
 
 def _existing_units(root: nn.Module, world_size: int) -> List[UnitPlan]:
@@ -207,7 +238,7 @@ def _existing_units(root: nn.Module, world_size: int) -> List[UnitPlan]:
             for h in module.handles:
                 padded, shard = shard_sizes(h.numel, world_size, module.sharding_strategy is not ShardingStrategy.NO_SHARD)
                 groups.append(GroupPlan(h.dtype, h.requires_grad, len(h.param_infos), h.numel, padded, shard))
-            found.append(UnitPlan(clean_name(path), type(module.module).__name__, module.sharding_strategy, tuple(groups), ()))
+            found.append(UnitPlan(clean_name(path), type(module.module).__name__, module.sharding_strategy, tuple(groups), (), None, world_size))
     return found
 
 
@@ -223,8 +254,8 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _is_sharded(unit: UnitPlan, world_size: int) -> bool:
-    return world_size > 1 and unit.sharding_strategy is not ShardingStrategy.NO_SHARD
+def _is_sharded(unit: UnitPlan) -> bool:
+    return unit.world_size > 1 and unit.sharding_strategy is not ShardingStrategy.NO_SHARD
 
 
 # -- command line -------------------------------------------------------------------------
