@@ -38,6 +38,36 @@ def unit_of(wrapper: nn.Module) -> Unit:
     return wrapper._unit  # type: ignore[return-value]
 
 
+def constructor_options(**given: Any) -> Dict[str, Any]:
+    """Every constructor argument (but ``module``): ``given`` over the defaults of the
+    signature, with the ignored collections read once into lists."""
+    options: Dict[str, Any] = dict(
+        process_group=None,
+        sharding_strategy=None,
+        cpu_offload=None,
+        auto_wrap_policy=None,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=None,
+        ignored_modules=None,
+        param_init_fn=None,
+        device_id=None,
+        sync_module_states=False,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        use_orig_params=False,
+        ignored_states=None,
+        device_mesh=None,
+    )
+    unknown = set(given) - set(options)
+    if unknown:
+        raise AssertionError(f"not constructor arguments: {sorted(unknown)}")
+    options.update(given)
+    for name in ("ignored_modules", "ignored_states"):
+        if options[name] is not None:
+            options[name] = list(options[name])  # read more than once (plan, units)
+    return options
+
+
 def build_unit(
     module: nn.Module,
     wrapper_cls: Type[nn.Module],

@@ -11,7 +11,7 @@ from torch import nn
 
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, display_name
-from ._init import build_unit
+from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
 from ._unit import lazy_init
@@ -81,11 +81,7 @@ class ShardedDataParallel(nn.Module):
         device_mesh: Optional[Any] = None,
     ) -> None:
         super().__init__()
-        if ignored_modules is not None:
-            ignored_modules = list(ignored_modules)  # read more than once (plan, units)
-        if ignored_states is not None:
-            ignored_states = list(ignored_states)
-        options = dict(
+        options = constructor_options(
             process_group=process_group,
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,

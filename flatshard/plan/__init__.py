@@ -21,7 +21,7 @@ from torch import nn
 from .._common import clean_name
 import torch.distributed as dist
 
-from .._init import check_options, group_params
+from .._init import check_options, constructor_options, group_params
 from .._planning import PlannedUnit, make_plan, unit_options
 from ..api import BackwardPrefetch, ShardingStrategy
 from ..flat_param import shard_sizes
@@ -184,22 +184,13 @@ def plan(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    options = dict(
-        process_group=None,
+    options = constructor_options(
         sharding_strategy=sharding_strategy,
-        cpu_offload=None,
         auto_wrap_policy=auto_wrap_policy,
         backward_prefetch=backward_prefetch,
-        mixed_precision=None,
-        ignored_modules=None if ignored_modules is None else list(ignored_modules),
-        param_init_fn=None,
-        device_id=None,
-        sync_module_states=False,
         forward_prefetch=forward_prefetch,
-        limit_all_gathers=True,
-        use_orig_params=False,
-        ignored_states=None if ignored_states is None else list(ignored_states),
-        device_mesh=None,
+        ignored_modules=ignored_modules,
+        ignored_states=ignored_states,
     )
     planned = make_plan(module, options, wrapper_cls=ShardedDataParallel)
     units = [_unit_plan(u, options, world_size) for u in planned] + _existing_units(module, world_size)
