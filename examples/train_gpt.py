@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import math
 import os
 import tempfile
@@ -124,7 +125,14 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
     try:
         train(args)
     finally:
-        dist.destroy_process_group()
+        _shutdown()
+
+
+def _shutdown() -> None:
+    # Collect the finished model before the process group goes: torch's gloo backend can
+    # abort the process when training objects are only collected at interpreter exit.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def parse_args() -> argparse.Namespace:
@@ -154,7 +162,7 @@ def main() -> None:
         try:
             train(args)
         finally:
-            dist.destroy_process_group()
+            _shutdown()
         return
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_spawned, args=(args.nproc, os.path.join(tmp, "rendezvous"), args), nprocs=args.nproc)

@@ -1,13 +1,25 @@
 """The only module that calls ``torch.distributed`` collectives.
 
-Differences between torch versions (e.g. ``all_gather_single`` replacing
-``all_gather_into_tensor`` in newer releases) are settled here, once, at import.
+Differences between torch versions and backends are settled here:
+
+[Note: collectives per backend] On NCCL the flat collectives (all-gather into one tensor,
+reduce-scatter of one tensor) are the fast paths. On gloo they are not: gloo's
+all-gather-into-tensor copies through a temporary and is several times slower than its
+list all-gather into views of the output, and its reduce-scatter exchanges the whole tensor
+(as much traffic as an all-reduce). So on gloo the all-gather writes straight into views of
+the output, and the reduce-scatter is an all-to-all of the chunks followed by a local sum:
+the minimum traffic, (world - 1) / world of the tensor per rank.
+
+All collectives can run asynchronously: they return a ``Pending`` to ``wait()`` on right
+before the result is needed (on CUDA, NCCL orders the work on its own stream and ``wait``
+makes the current stream wait for it, without blocking the host).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,31 +56,92 @@ def backend_of(group: ProcessGroup) -> str:
     return str(dist.get_backend(group))
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
-    """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's shard, in rank order."""
-    _all_gather_flat(output, shard, group=group)
+class Pending:
+    """A collective in flight. ``wait()`` completes it, then runs its finishing step (e.g.
+    dividing a sum into a mean); waiting again does nothing."""
+
+    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None) -> None:
+        self._work = work
+        self._finish = finish
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
-def reduce_scatter_mean(output: torch.Tensor, full: torch.Tensor, group: ProcessGroup) -> None:
-    """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks.
+class Communicator:
+    """The collectives of one process group (see [Note: collectives per backend]).
 
-    Summed then divided: gloo has no averaging reduction, and one code path keeps CPU and GPU
-    numerics alike.
+    [Note: weak process group] The group is held weakly. Units reference each other and their
+    hooks in cycles that only the garbage collector frees; were the group held strongly, a
+    model alive after ``destroy_process_group()`` would keep the group until interpreter
+    shutdown, where destroying gloo's threads can abort the process.
     """
-    _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=group)
-    output.div_(size_of(group))
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self._group = weakref.ref(group)
+        self.rank = rank_of(group)
+        self.world_size = size_of(group)
+        self.gloo = "gloo" in backend_of(group)
+
+    @property
+    def group(self) -> ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this ShardedDataParallel model was destroyed")
+        return group
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
+        """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's shard, in rank order."""
+        if self.gloo:
+            work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
+        else:
+            work = _all_gather_flat(output, shard, group=self.group, async_op=True)
+        return _maybe_wait(Pending(work), async_op)
+
+    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Pending:
+        """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks."""
+        world = self.world_size
+        if self.gloo:
+            received = torch.empty_like(full)
+            work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
+
+            def finish() -> None:
+                torch.sum(received.view(world, -1), dim=0, out=output)
+                output.div_(world)
+
+            return _maybe_wait(Pending(work, finish), async_op)
+        work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _maybe_wait(Pending(work, lambda: output.div_(world)), async_op)
+
+    def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
+        """Replace ``tensor`` by its mean over the ranks, in place."""
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size)), async_op)
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def gather_ints(self, value: int, device: torch.device) -> List[int]:
+        """Every rank's ``value`` (one small synchronous all-gather)."""
+        if self.world_size == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        everyone = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.all_gather(everyone, mine)
+        return [int(v) for v in everyone.tolist()]
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> None:
-    """Replace ``tensor`` by its mean over the ranks, in place."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    tensor.div_(size_of(group))
-
-
-def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> None:
-    """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
-    if size_of(group) > 1:
-        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+def _maybe_wait(pending: Pending, async_op: bool) -> Pending:
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def fingerprint(text: str) -> int:
@@ -78,13 +151,8 @@ def fingerprint(text: str) -> int:
 
 def all_ranks_agree(text: str, group: ProcessGroup, device: torch.device) -> bool:
     """Whether every rank passed the same ``text``: one all-gather of one integer per rank."""
-    world = size_of(group)
-    mine = torch.tensor([fingerprint(text)], dtype=torch.int64, device=device)
-    if world == 1:
-        return True
-    everyone = torch.empty(world, dtype=torch.int64, device=device)
-    _all_gather_flat(everyone, mine, group=group)
-    return bool((everyone == mine).all().item())
+    values = Communicator(group).gather_ints(fingerprint(text), device)
+    return all(v == values[0] for v in values)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:

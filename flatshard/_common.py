@@ -28,9 +28,11 @@ class TrainingState(Enum):
 
 
 class HandleState(Enum):
-    """Whether a handle's full flat parameter is materialised."""
+    """Whether a handle's full flat parameter is materialised: SHARDED (only the shard),
+    GATHERING (its all-gather is in flight), UNSHARDED (gathered)."""
 
     SHARDED = auto()
+    GATHERING = auto()
     UNSHARDED = auto()
 
 

@@ -23,11 +23,25 @@ class ExecOrder(Generic[_U]):
         self._forward_frozen = False
         self._post_forward: List[_U] = []
         self._post_forward_index: Dict[_U, int] = {}
+        self._this_forward: List[_U] = []  # every pre-forward of the current root forward
 
     def record_pre_forward(self, unit: _U) -> None:
+        self._this_forward.append(unit)
         if not self._forward_frozen and unit not in self._forward_index:
             self._forward_index[unit] = len(self._forward)
             self._forward.append(unit)
+
+    def start_forward(self) -> None:
+        """Called when the root's forward starts."""
+        self._this_forward.clear()
+
+    def this_forward(self) -> List[_U]:
+        """The units, in the order their forward started, since the root's forward started."""
+        return list(self._this_forward)
+
+    def first_forward(self) -> List[_U]:
+        """The units in the order of the first iteration (each once)."""
+        return list(self._forward)
 
     def freeze_forward_order(self) -> None:
         """Called when the root's first forward ends."""
@@ -60,3 +74,40 @@ class ExecOrder(Generic[_U]):
             if wanted(candidate):
                 return candidate
         return None
+
+
+# [Note: order check] Ranks must issue the same collectives in the same order; if one rank
+# runs a different unit (data-dependent control flow), gloo aborts the process on the size
+# mismatch, or pairs the wrong units silently when their sizes match, or waits forever. So:
+# while ``checking`` (the first iteration, and an iteration whose forward order changed),
+# every collective of a unit is preceded by one small all-gather of a token naming it, and
+# every backward ends with one; and every root forward ends with one all-gather of a hash of
+# the order its units ran in. Tokens and hashes are single integers, so mismatched checks
+# still pair up: every rank sees every rank's value and raises the same error, naming what
+# each rank was doing. Tokens below 2**40 name a unit; anything above is a forward's hash.
+
+GATHER, REDUCE, END_OF_BACKWARD = 1, 2, 3
+_KIND_SCALE = 1 << 32
+_WHAT = {GATHER: "gathering the parameters of unit {}", REDUCE: "reducing the gradients of unit {}"}
+
+
+def token(kind: int, index: int = 0) -> int:
+    """The integer that names a collective of unit ``index`` (see [Note: order check])."""
+    return kind * _KIND_SCALE + index
+
+
+def describe(value: int, names: List[str]) -> str:
+    """What a rank whose check value is ``value`` was doing."""
+    kind, index = divmod(value, _KIND_SCALE)
+    if kind in _WHAT and index < len(names):
+        return _WHAT[kind].format(names[index])
+    if kind == END_OF_BACKWARD:
+        return "at the end of its backward"
+    return "at the end of its forward"
+
+
+def mismatch(values: List[int], names: List[str]) -> Optional[str]:
+    """``None`` if all ranks' values agree, else a description of each rank's position."""
+    if all(v == values[0] for v in values):
+        return None
+    return "; ".join(f"rank {r} is {describe(v, names)}" for r, v in enumerate(values))

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from ._collectives import (
+    Communicator,
     ProcessGroup,
     all_gather_object,
     all_ranks_agree,
     backend_of,
-    broadcast_from_first,
     default_group,
     rank_of,
     require_initialized,
@@ -105,8 +105,9 @@ def build_unit(
     _move_buffers(device, buffers)
     if options["sync_module_states"]:
         _check_same_on_all_ranks(params, buffers, group, device, name)
+        comm = Communicator(group)
         for _, _, _, buf in buffers:
-            broadcast_from_first(buf, group)
+            comm.broadcast_from_first(buf)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     handles = [
         FlatParamHandle(members, module, device, group, sharded, _attr_name(i), options["sync_module_states"])

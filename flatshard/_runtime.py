@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
-from ._common import HandleState, TrainingState, iter_tensors, map_tensors
+from ._collectives import all_gather_object, fingerprint
+from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
+from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
 from ._unit import BackwardState, RootContext, Unit
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle
@@ -83,9 +85,10 @@ def _root_pre_forward(ctx: RootContext) -> None:
     if _in_backward():
         return
     ctx.gathered_in_forward.clear()
+    ctx.exec_order.start_forward()
     if ctx.backward_state is BackwardState.CALLBACK_QUEUED:
         # The last backward raised, so autograd never ran its end-of-backward callback.
-        _finalize_backward(ctx)
+        _finalize_backward(ctx, failed=True)
 
 
 def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
@@ -100,18 +103,17 @@ def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
     recompute = _in_backward()
     if not recompute:
         ctx.exec_order.record_pre_forward(unit)
-    if _gather(unit):
+    _consume_prefetch(ctx, unit)
+    if _gather(unit, ctx):
         ctx.gathered_in_forward.add(unit)
-    for handle in unit.handles:
-        handle.use_views(track_grad=torch.is_grad_enabled())
-    if recompute:
-        return
-    if unit.frozen and torch.is_grad_enabled():
-        _hook_inputs_for_frozen_handles(unit, inputs)
-    if unit.config.forward_prefetch:
+    if unit.config.forward_prefetch and not recompute:
         target = ctx.exec_order.next_in_forward(unit)
-        if target is not None and _gather(target):
-            ctx.gathered_in_forward.add(target)
+        if _prefetch(ctx, target):
+            ctx.gathered_in_forward.add(target)  # type: ignore[arg-type]
+    for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
+        handle.use_views(track_grad=torch.is_grad_enabled())
+    if unit.frozen and torch.is_grad_enabled() and not recompute:
+        _hook_inputs_for_frozen_handles(unit, inputs)
 
 
 def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
@@ -143,21 +145,86 @@ def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
 
 def _root_post_forward(ctx: RootContext) -> None:
     ctx.exec_order.freeze_forward_order()
-    if not torch.is_grad_enabled() and not _in_backward():
+    if _in_backward():
+        return
+    order = ctx.exec_order.this_forward()
+    _check_forward_order(ctx, order)
+    if not torch.is_grad_enabled():
         for unit in ctx.gathered_in_forward:
             _free(unit)  # also unused forward prefetches
+        ctx.prefetched.clear()
+        ctx.checking = False  # no backward follows: the first iteration is over
+    elif order != ctx.exec_order.first_forward():
+        ctx.checking = True  # the order changed: check this iteration's backward collectives
     ctx.gathered_in_forward.clear()
 
 
-def _gather(unit: Unit) -> bool:
-    """Gather all of ``unit``'s handles; ``False`` if none needed it (never gathered twice)."""
-    gathered = [handle.unshard() for handle in unit.handles]
-    return any(gathered)
+def _gather(unit: Unit, ctx: RootContext) -> bool:
+    """Issue the all-gathers of ``unit``'s sharded handles (asynchronously); ``False`` if
+    none was needed (a unit is never gathered twice)."""
+    if not any(h.state is HandleState.SHARDED for h in unit.handles):
+        return False
+    _check_order(ctx, token(GATHER, ctx.index[unit]))
+    for handle in unit.handles:
+        handle.unshard(async_op=True)
+    return True
+
+
+def _prefetch(ctx: RootContext, target: Optional[Unit]) -> bool:
+    """Gather ``target`` ahead of its use. With ``limit_all_gathers`` at most two units wait
+    gathered ahead of their use at a time."""
+    if target is None or (target.config.limit_all_gathers and len(ctx.prefetched) >= 2):
+        return False
+    if not _gather(target, ctx):
+        return False
+    ctx.prefetched.append(target)
+    return True
+
+
+def _consume_prefetch(ctx: RootContext, unit: Unit) -> None:
+    if unit in ctx.prefetched:
+        ctx.prefetched.remove(unit)
 
 
 def _free(unit: Unit) -> None:
     for handle in unit.handles:
         handle.reshard()
+
+
+def _check_order(ctx: RootContext, value: int) -> None:
+    """One order check (see [Note: order check]) while checking."""
+    if ctx.checking and ctx.comm.world_size > 1:
+        values = ctx.comm.gather_ints(value, ctx.root.device)
+        problem = mismatch(values, [_label(u) for u in ctx.units])
+        if problem is not None:
+            raise RuntimeError(
+                f"[rank {ctx.comm.rank}] the ranks ran different units (every rank must run the same "
+                f"units in the same order, e.g. no data-dependent skipping): {problem}"
+            )
+
+
+def _check_forward_order(ctx: RootContext, order: List[Unit]) -> None:
+    """The one check every root forward makes: did all ranks run the same units in order?"""
+    if ctx.comm.world_size == 1:
+        return
+    names = [_label(u) for u in order]
+    values = ctx.comm.gather_ints(fingerprint("\n".join(names)), ctx.root.device)
+    problem = mismatch(values, [_label(u) for u in ctx.units])
+    if problem is None:
+        return
+    if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
+        everyone = all_gather_object(names, ctx.root.group)
+        first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
+        ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
+        problem = f"unit #{first} of this forward differs: {ran}"
+    raise RuntimeError(
+        f"[rank {ctx.comm.rank}] the ranks ran different units (every rank must run the same units "
+        f"in the same order, e.g. no data-dependent skipping): {problem}"
+    )
+
+
+def _label(unit: Unit) -> str:
+    return display_name(unit.name)
 
 
 def _hook_inputs_for_frozen_handles(unit: Unit, inputs: Any) -> None:
@@ -189,14 +256,19 @@ def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
     if state is not _BACKWARD_PRE:
         unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
     unit.pending.update(needed)
+    _consume_prefetch(ctx, unit)  # type: ignore[arg-type]
     for handle in needed:
         handle.drop_grad_if_zeroed()
-        handle.unshard()
+    if any(h.state is HandleState.SHARDED for h in needed):
+        _check_order(ctx, token(GATHER, ctx.index[unit]))  # type: ignore[union-attr]
+        for handle in needed:
+            handle.unshard(async_op=True)
+    if state is not _BACKWARD_PRE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch_for_backward(unit)
+    for handle in needed:
         # Views back on the modules, under autograd, for code that re-runs forward pieces
         # in backward (activation checkpointing) and reads the parameters from the modules.
         handle.use_views(track_grad=True)
-    if state is not _BACKWARD_PRE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch_for_backward(unit)
     return None
 
 
@@ -214,12 +286,24 @@ def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> N
         )
     if handle.state is not HandleState.UNSHARDED:
         raise AssertionError(f"{unit.where()}: gradient computed while the parameters were freed")
+    ctx = unit.ctx
     if unit.sync_gradients:
-        handle.reduce_grad()
+        if unit.world_size > 1:
+            _check_order(ctx, token(REDUCE, ctx.index[unit]))  # type: ignore[union-attr]
+        if handle.reduce_grad(async_op=True):
+            _track_reduction(ctx, handle)  # type: ignore[arg-type]
     else:
         handle.hold_grad_for_later()
     handle.reshard()
     _done(unit, [handle])
+
+
+def _track_reduction(ctx: RootContext, handle: FlatParamHandle) -> None:
+    """Reductions run while later units compute their gradients; at most two stay in flight
+    (each holds a full gradient), the end of backward completes the rest."""
+    ctx.reducing.append(handle)
+    while len(ctx.reducing) > 2:
+        ctx.reducing.pop(0).finish_reduction()
 
 
 def _post_backward_frozen(unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
@@ -255,9 +339,8 @@ def _prefetch_for_backward(unit: Unit) -> None:
     def waiting(candidate: Unit) -> bool:
         return candidate.training_state is _IDLE and any(h.state is HandleState.SHARDED for h in candidate.handles)
 
-    target = unit.ctx.exec_order.next_in_backward(unit, waiting)  # type: ignore[union-attr]
-    if target is not None:
-        _gather(target)
+    ctx = unit.ctx
+    _prefetch(ctx, ctx.exec_order.next_in_backward(unit, waiting))  # type: ignore[union-attr, arg-type]
 
 
 def _queue_finalizer(ctx: RootContext) -> None:
@@ -266,13 +349,21 @@ def _queue_finalizer(ctx: RootContext) -> None:
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, ctx))
 
 
-def _finalize_backward(ctx: RootContext) -> None:
-    """End of a backward (queued on the autograd engine): free all, reset to IDLE."""
+def _finalize_backward(ctx: RootContext, failed: bool = False) -> None:
+    """End of a backward (queued on the autograd engine, or run by the next forward after a
+    backward that raised): complete the reductions, free all, reset to IDLE."""
+    for handle in ctx.reducing:
+        handle.finish_reduction()
+    ctx.reducing.clear()
+    if not failed:
+        _check_order(ctx, token(END_OF_BACKWARD))
+        ctx.checking = False
     for unit in ctx.units:
         _free(unit)
         unit.pending.clear()
         unit.open_input_hooks = 0
         unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
+    ctx.prefetched.clear()
     ctx.exec_order.end_iteration()
     ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
 

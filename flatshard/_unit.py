@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._collectives import ProcessGroup, all_gather_object, all_ranks_agree, rank_of, size_of
+from ._collectives import Communicator, ProcessGroup, all_gather_object, all_ranks_agree
 from ._common import TrainingState, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
 from .api import BackwardPrefetch, ShardingStrategy
@@ -57,9 +57,9 @@ class Unit:
         self.trainable = [h for h in self.handles if h.requires_grad]
         self.frozen = [h for h in self.handles if not h.requires_grad]
         self.config = config
-        self.group = group
-        self.rank = rank_of(group)
-        self.world_size = size_of(group)
+        self.comm = Communicator(group)
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
         self.device = device
         self.name = ""  # user-facing module path from the root, set when an outer unit adopts it
         self.training_state = TrainingState.IDLE
@@ -73,6 +73,10 @@ class Unit:
         # signal when frozen handles are no longer needed; see _runtime).
         self.open_input_hooks = 0
         self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
+
+    @property
+    def group(self) -> ProcessGroup:
+        return self.comm.group
 
     @property
     def is_root(self) -> bool:
@@ -106,11 +110,19 @@ class RootContext:
     def __init__(self, root: Unit, units: List[Unit]) -> None:
         self.root = root
         self.units = units
+        self.index = {unit: i for i, unit in enumerate(units)}
+        self.comm = root.comm
         self.exec_order: ExecOrder[Unit] = ExecOrder()
         self.backward_state = BackwardState.IDLE
         # Units gathered during the current root forward (by their forward or a forward
         # prefetch): what a forward without autograd may free again, and nothing else.
         self.gathered_in_forward: Set[Unit] = set()
+        # Units gathered ahead of their use by a prefetch (bounded by limit_all_gathers).
+        self.prefetched: List[Unit] = []
+        # Handles whose gradient reduction is in flight, oldest first.
+        self.reducing: List[FlatParamHandle] = []
+        # Whether every collective is preceded by an order check (see [Note: order check]).
+        self.checking = True
 
     def move(self, allowed_from: Sequence[BackwardState], target: BackwardState) -> None:
         self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())

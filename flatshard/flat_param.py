@@ -15,6 +15,7 @@ accumulates the unsharded gradient into (``grad_leaf``). Its storage is freed be
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -23,15 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import (
-    ProcessGroup,
-    all_gather_flat,
-    all_reduce_mean,
-    broadcast_from_first,
-    rank_of,
-    reduce_scatter_mean,
-    size_of,
-)
+from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
 from ._placeholder import ParamPlaceholder
 
@@ -144,9 +137,9 @@ class FlatParamHandle:
     ) -> None:
         if not params:
             raise AssertionError("a FlatParamHandle needs at least one parameter")
-        self.group = group
-        self.rank = rank_of(group)
-        self.world_size = size_of(group)
+        self.comm = Communicator(group)
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
         self.sharded = sharded and self.world_size > 1
         self.device = device
         self.dtype = params[0].param.dtype
@@ -172,6 +165,8 @@ class FlatParamHandle:
         # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
         # backward. See [Note: no_sync and zero_grad].
         self._held_grad: Optional[Tuple["weakref.ref[torch.Tensor]", int]] = None
+        self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
+        self._reduction: Optional[Pending] = None  # the gradient reduction in flight
         self.state = HandleState.UNSHARDED
         for p in params:
             p.module._parameters.pop(p.attr_name, None)
@@ -187,7 +182,7 @@ class FlatParamHandle:
         [Note: two tensors per handle])."""
         full = _flatten(params, self.padded_numel, self.device)
         if sync:
-            broadcast_from_first(full, self.group)
+            self.comm.broadcast_from_first(full)
         if not self.sharded:
             flat_param = FlatParameter(full, self.requires_grad)
             return flat_param, flat_param
@@ -220,19 +215,31 @@ class FlatParamHandle:
         """The full flat tensor autograd accumulates this unit's unsharded gradient into."""
         return self._full
 
-    def unshard(self) -> bool:
-        """Materialise the full flat tensor (all-gather); ``False`` if it already was."""
-        if self.state is HandleState.UNSHARDED:
+    def unshard(self, async_op: bool = False) -> bool:
+        """Start materialising the full flat tensor (all-gather); ``False`` if it already is
+        (or is being) materialised. Without ``async_op`` it is complete on return; with it,
+        ``wait()`` (or any use of the full tensor) completes it."""
+        if self.state is not HandleState.SHARDED:
             return False
         alloc_storage(self._full_data, self.padded_numel)
-        all_gather_flat(self._full_data, self.flat_param.detach(), self.group)
-        self.state = HandleState.UNSHARDED
+        self._gather = self.comm.all_gather(self._full_data, self.flat_param.detach(), async_op=True)
+        self.state = HandleState.GATHERING
+        if not async_op:
+            self.wait()
         return True
+
+    def wait(self) -> None:
+        """Complete an all-gather in flight (GATHERING -> UNSHARDED)."""
+        if self.state is HandleState.GATHERING:
+            self._gather.wait()  # type: ignore[union-attr]
+            self._gather = None
+            self.state = HandleState.UNSHARDED
 
     def reshard(self) -> bool:
         """Free the full flat tensor; ``False`` if there is nothing to free (``NO_SHARD``)."""
         if not self.sharded or self.state is HandleState.SHARDED:
             return False
+        self.wait()  # never free memory a collective is still writing
         self.drop_views()
         free_storage(self._full_data)
         self.state = HandleState.SHARDED
@@ -244,6 +251,7 @@ class FlatParamHandle:
         With ``track_grad`` the views are made under autograd, so gradients flow into
         ``grad_leaf``; without it they are plain aliases (for ``no_grad`` forwards).
         """
+        self.wait()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
         with torch.set_grad_enabled(track_grad and self.requires_grad):
@@ -259,6 +267,7 @@ class FlatParamHandle:
 
     def named_full_views(self) -> List[Tuple[str, torch.Tensor]]:
         """(name, full tensor) for every registration, tied ones included; needs UNSHARDED."""
+        self.wait()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] full views requested while {self.state.name}")
         chunks = self._full_data.split(self._split_sizes)
@@ -286,28 +295,46 @@ class FlatParamHandle:
         """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
         return self.sharded and self._full.grad is not None
 
-    def reduce_grad(self) -> None:
-        """Average the accumulated full gradient over the ranks into ``flat_param.grad``.
+    def reduce_grad(self, async_op: bool = False) -> bool:
+        """Start averaging the accumulated full gradient over the ranks into
+        ``flat_param.grad``; ``finish_reduction()`` completes it (at once without
+        ``async_op``). ``False`` if there was no gradient.
 
         Sharded: reduce-scatter into a new shard gradient, added to an existing ``.grad`` (a
-        gradient the user did not zero), then drop the full gradient. ``NO_SHARD``: the full
-        gradient *is* ``flat_param.grad``; all-reduce it in place.
+        gradient the user did not zero) when complete; the full gradient is dropped. Under
+        ``NO_SHARD`` the full gradient *is* ``flat_param.grad``, all-reduced in place.
         """
         self._held_grad = None
         full_grad = self._full.grad
         if full_grad is None:
-            return
+            return False
+        if self._reduction is not None:
+            raise AssertionError(f"[rank {self.rank}] a gradient reduction is already in flight")
         if not self.sharded:
             if self.world_size > 1:
-                all_reduce_mean(full_grad, self.group)
-            return
-        shard_grad = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
-        reduce_scatter_mean(shard_grad, full_grad.contiguous(), self.group)
-        self._full.grad = None
+                self._reduction = self.comm.all_reduce_mean(full_grad, async_op=True)
+        else:
+            shard_grad = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
+            pending = self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), async_op=True)
+            self._full.grad = None
+            # (the partial keeps the full gradient alive until the reduction is complete)
+            self._reduction = Pending(None, functools.partial(self._accumulate, pending, shard_grad, full_grad))
+        if not async_op:
+            self.finish_reduction()
+        return True
+
+    def _accumulate(self, pending: Pending, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> None:
+        pending.wait()
         if self.flat_param.grad is None:
             self.flat_param.grad = shard_grad
         else:
             self.flat_param.grad.add_(shard_grad)
+
+    def finish_reduction(self) -> None:
+        """Complete a gradient reduction in flight (``flat_param.grad`` is final after it)."""
+        if self._reduction is not None:
+            reduction, self._reduction = self._reduction, None
+            reduction.wait()
 
     def hold_grad_for_later(self) -> None:
         """``no_sync``: leave the accumulated full gradient for the next synchronised backward.

@@ -10,6 +10,7 @@ fails instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +59,7 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
             except Exception:  # noqa: BLE001
                 outcome = (False, (RankFailure(f"{type(exc).__name__}: {exc}"), text))
         finally:
+            gc.collect()  # the task's models go before their process group does
             if dist.is_initialized():
                 dist.destroy_process_group()
         results.put((task_id, index, outcome))

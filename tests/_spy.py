@@ -15,6 +15,7 @@ from torch import nn
 
 import flatshard._runtime as runtime
 import flatshard.flat_param as flat_param
+from flatshard._collectives import Communicator
 from flatshard import ShardedDataParallel
 from flatshard._common import HandleState
 
@@ -26,6 +27,8 @@ class Recorder:
         self.events: List[str] = []
         self.collectives: Dict[str, int] = collections.Counter()
         self.max_gathered = 0  # most sharded units gathered at once
+        self.in_check = False
+        self.checks = 0  # order checks: small all-gathers of one integer (not in ``collectives``)
         self._handles: Dict[int, str] = {}
         self._all: List[Any] = []
 
@@ -40,13 +43,14 @@ class Recorder:
     def clear(self) -> None:
         self.events.clear()
         self.collectives.clear()
+        self.checks = 0
         self.max_gathered = 0
 
     def handle_name(self, handle: Any) -> str:
         return self._handles.get(id(handle), "?")
 
     def note_gathered(self) -> None:
-        count = sum(h.state is HandleState.UNSHARDED for h in self._all)
+        count = sum(h.state is not HandleState.SHARDED for h in self._all)
         self.max_gathered = max(self.max_gathered, count)
 
 
@@ -73,10 +77,25 @@ def _wrap_hook(rec: Recorder, fn: Callable[..., Any], label: str) -> Callable[..
 
 def _count(rec: Recorder, fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
-        rec.collectives[kind] += 1
+        if not rec.in_check:
+            rec.collectives[kind] += 1
         return fn(*args, **kwargs)
 
     return collective
+
+
+def _count_check(rec: Recorder, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Order checks (small all-gathers of one integer) are counted apart from data collectives."""
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        rec.checks += 1
+        rec.in_check = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.in_check = False
+
+    return check
 
 
 @contextlib.contextmanager
@@ -89,9 +108,10 @@ def recording() -> Iterator[Recorder]:
         (runtime, "_pre_backward", _wrap_hook(rec, runtime._pre_backward, "pre-backward")),
         (runtime, "_post_backward", _wrap_hook(rec, runtime._post_backward, "post-backward")),
         (runtime, "_post_backward_frozen", _wrap_hook(rec, runtime._post_backward_frozen, "post-backward")),
-        (flat_param, "all_gather_flat", _count(rec, flat_param.all_gather_flat, "all_gather")),
-        (flat_param, "reduce_scatter_mean", _count(rec, flat_param.reduce_scatter_mean, "reduce_scatter")),
-        (flat_param, "all_reduce_mean", _count(rec, flat_param.all_reduce_mean, "all_reduce")),
+        (Communicator, "all_gather", _count(rec, Communicator.all_gather, "all_gather")),
+        (Communicator, "reduce_scatter_mean", _count(rec, Communicator.reduce_scatter_mean, "reduce_scatter")),
+        (Communicator, "all_reduce_mean", _count(rec, Communicator.all_reduce_mean, "all_reduce")),
+        (Communicator, "gather_ints", _count_check(rec, Communicator.gather_ints)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:

@@ -1,0 +1,206 @@
+"""Side-by-side training benchmark: flatshard vs torch FSDP1, FSDP2 and DDP, on CPU with gloo.
+
+    python bench/bench.py                      # the default config, all implementations
+    python bench/bench.py --layers 2 --steps 3 --rounds 1      # a quick look
+
+A GPT-style model (token + position embedding, N transformer blocks, tied head) is trained
+with AdamW at world size 2. Every implementation runs in fresh rank processes (so peak memory
+is its own), in an order that alternates between rounds; per implementation the script prints
+the median step time (slowest rank per step), the peak resident memory of the largest rank, and
+the bytes each rank sends per step (loopback traffic during the measured steps, divided by
+steps and ranks), then the ratios of flatshard to the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+IMPLS = ("flatshard", "fsdp1", "fsdp2", "ddp")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str, Any]) -> torch.nn.Module:
+    import functools
+
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    else:
+        from flatshard import BackwardPrefetch, ShardedDataParallel as FullyShardedDataParallel, ShardingStrategy
+        from flatshard import transformer_auto_wrap_policy
+    prefetch = options.get("backward_prefetch", "BACKWARD_PRE")
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
+        sharding_strategy=ShardingStrategy[options.get("sharding_strategy", "FULL_SHARD")],
+        backward_prefetch=None if prefetch == "None" else BackwardPrefetch[prefetch],
+        forward_prefetch=options.get("forward_prefetch", False),
+        device_id=torch.device("cpu"),
+    )
+
+
+def _loopback_bytes() -> int:
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])  # transmitted bytes
+    return 0
+
+
+def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any], out: str) -> None:
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    example = _example()
+    torch.manual_seed(0)
+    model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
+    model = _wrap(impl, model, example.TransformerBlock, options)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    times: List[float] = []
+    sent = 0
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        if step == cfg["warmup"]:
+            dist.barrier()
+            sent = _loopback_bytes()
+        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= cfg["warmup"]:
+            times.append(elapsed.item())
+    dist.barrier()
+    sent = _loopback_bytes() - sent
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world}, f)
+    del model, optim
+    gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
+    dist.destroy_process_group()
+
+
+def run(label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_rank, args=(cfg["world_size"], os.path.join(tmp, "rdv"), label, impl, options, cfg, out), nprocs=cfg["world_size"])
+        with open(out) as f:
+            return json.load(f)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def table(results: Dict[str, Dict[str, Any]], reference: str = "flatshard") -> str:
+    lines = [
+        f"| implementation | median step (s) | peak RSS / rank | sent / rank / step | {reference} / it: step | memory | bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ref = results[reference]
+    for label, r in results.items():
+        lines.append(
+            f"| {label} | {r['median']:.3f} | {_size(r['peak_rss'])} | {_size(r['bytes_per_step'])} | "
+            f"{ref['median'] / r['median']:.2f} | {ref['peak_rss'] / r['peak_rss']:.2f} | "
+            f"{ref['bytes_per_step'] / max(r['bytes_per_step'], 1):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+VARIANTS = {
+    "flatshard": ("flatshard", {}),
+    "fsdp1": ("fsdp1", {}),
+    "fsdp2": ("fsdp2", {}),
+    "ddp": ("ddp", {}),
+    "flatshard SHARD_GRAD_OP": ("flatshard", {"sharding_strategy": "SHARD_GRAD_OP"}),
+    "flatshard NO_SHARD": ("flatshard", {"sharding_strategy": "NO_SHARD"}),
+    "flatshard BACKWARD_POST": ("flatshard", {"backward_prefetch": "BACKWARD_POST"}),
+    "flatshard no prefetch": ("flatshard", {"backward_prefetch": "None"}),
+    "flatshard forward_prefetch": ("flatshard", {"forward_prefetch": True}),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=2, help="each implementation runs once per round, order alternating")
+    p.add_argument("--variants", default="flatshard,fsdp1,fsdp2,ddp", help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    args = p.parse_args()
+    cfg = {k: getattr(args, k) for k in ("layers", "dim", "heads", "batch", "seq", "vocab", "world_size", "threads", "warmup", "steps")}
+    labels = [v.strip() for v in args.variants.split(",")]
+    collected: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
+    for round_index in range(args.rounds):
+        order = labels if round_index % 2 == 0 else list(reversed(labels))
+        for label in order:
+            impl, options = VARIANTS[label]
+            collected[label].append(run(label, impl, options, cfg))
+            print(f"round {round_index + 1}: {label}: {statistics.median(collected[label][-1]['times']):.3f} s/step", flush=True)
+    results = {
+        label: {
+            "median": statistics.median(t for r in runs for t in r["times"]),
+            "peak_rss": max(r["peak_rss"] for r in runs),
+            "bytes_per_step": statistics.median(r["bytes_per_step"] for r in runs),
+        }
+        for label, runs in collected.items()
+    }
+    command = "python bench/bench.py " + " ".join(sys.argv[1:])
+    print(f"\n{command}\n{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, config {cfg}\n")
+    print(table(results, labels[0]))
+
+
+if __name__ == "__main__":
+    main()
