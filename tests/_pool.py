@@ -37,6 +37,7 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
     while True:
         task = tasks.get()
         if task is None:
+            gc.collect()  # finished models go before interpreter exit (gloo can abort there)
             return
         task_id, fn, world_size, backend, init_file, args, kwargs = task
         try:
@@ -59,7 +60,6 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
             except Exception:  # noqa: BLE001
                 outcome = (False, (RankFailure(f"{type(exc).__name__}: {exc}"), text))
         finally:
-            gc.collect()  # the task's models go before their process group does
             if dist.is_initialized():
                 dist.destroy_process_group()
         results.put((task_id, index, outcome))
