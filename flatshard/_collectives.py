@@ -111,7 +111,10 @@ class Communicator:
             work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
 
             def finish() -> None:
-                torch.sum(received.view(world, -1), dim=0, out=output)
+                chunks = received.chunk(world)  # chunk r: what rank r holds of our part
+                torch.add(chunks[0], chunks[1], out=output)
+                for chunk in chunks[2:]:
+                    output.add_(chunk)
                 output.div_(world)
 
             return _maybe_wait(Pending(work, finish), async_op)

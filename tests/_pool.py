@@ -50,6 +50,10 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
                 world_size=world_size,
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
+        except Exception:  # noqa: BLE001 - a peer process is gone: the pool restarts and retries
+            results.put((task_id, index, (None, traceback.format_exc())))
+            continue
+        try:
             torch.manual_seed(1234 + index)  # tests seed what they compare; this only decorrelates
             outcome = (True, fn(index, world_size, *args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
@@ -63,6 +67,13 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
             if dist.is_initialized():
                 dist.destroy_process_group()
         results.put((task_id, index, outcome))
+
+
+def _as_failure(value: Any) -> Any:
+    """(exception, traceback text) of a failed outcome; a failed rendezvous gives a text only."""
+    if isinstance(value, str):
+        return RankFailure("the process group could not be formed"), value
+    return value
 
 
 class RankPool:
@@ -104,18 +115,20 @@ class RankPool:
         **kwargs: Any,
     ) -> List[Any]:
         """``[fn(rank, world_size, *args, **kwargs) for each rank]``, computed by the ranks
-        (rank ``r`` uses CUDA device ``r`` when ``backend`` is nccl)."""
+        (rank ``r`` uses CUDA device ``r`` when ``backend`` is nccl).
+
+        If the process group cannot even be formed (a worker died after its previous task,
+        e.g. torch's gloo aborting while tearing down old objects), the workers are replaced
+        and the task runs once more; failures inside the task are never retried.
+        """
         if not 1 <= world_size <= self._size:
             raise ValueError(f"world_size must be in 1..{self._size}; got {world_size}")
-        for index in range(world_size):
-            self._ensure(index)
-        self._next_task += 1
-        task_id = self._next_task
-        init_file = os.path.join(self._dir, f"rendezvous-{task_id}")
-        for index in range(world_size):
-            self._tasks[index].put((task_id, fn, world_size, backend, init_file, args, kwargs))  # type: ignore[union-attr]
-        outcomes = self._collect(task_id, world_size, timeout)
-        failures = [(rank, outcomes[rank][1]) for rank in range(world_size) if rank in outcomes and not outcomes[rank][0]]
+        outcomes = self._attempt(fn, world_size, backend, args, kwargs, timeout)
+        if any(ok is None for ok, _ in outcomes.values()):
+            for index in range(world_size):
+                self._replace(index)
+            outcomes = self._attempt(fn, world_size, backend, args, kwargs, timeout)
+        failures = [(rank, _as_failure(outcomes[rank][1])) for rank in range(world_size) if rank in outcomes and not outcomes[rank][0]]
         missing = [rank for rank in range(world_size) if rank not in outcomes]
         if failures:
             rank, (exc, text) = failures[0]
@@ -128,6 +141,16 @@ class RankPool:
         if missing:
             raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks {missing} of {world_size} did not finish within {timeout}s (killed)")
         return [outcomes[rank][1] for rank in range(world_size)]
+
+    def _attempt(self, fn: Callable[..., Any], world_size: int, backend: str, args: Any, kwargs: Any, timeout: float) -> dict:
+        for index in range(world_size):
+            self._ensure(index)
+        self._next_task += 1
+        task_id = self._next_task
+        init_file = os.path.join(self._dir, f"rendezvous-{task_id}")
+        for index in range(world_size):
+            self._tasks[index].put((task_id, fn, world_size, backend, init_file, args, kwargs))  # type: ignore[union-attr]
+        return self._collect(task_id, world_size, timeout)
 
     def _collect(self, task_id: int, world_size: int, timeout: float) -> dict:
         outcomes: dict = {}

@@ -98,8 +98,27 @@ def _count_check(rec: Recorder, fn: Callable[..., Any]) -> Callable[..., Any]:
     return check
 
 
+def _wrap_reduction(rec: Recorder) -> List[Any]:
+    reduce_grad, finish = flat_param.FlatParamHandle.reduce_grad, flat_param.FlatParamHandle.finish_reduction
+
+    def issue(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = reduce_grad(self, *args, **kwargs)
+        if started and self._reduction is not None:
+            rec.events.append(f"reduce {rec.handle_name(self)}")
+        return started
+
+    def complete(self: Any) -> None:
+        if self._reduction is not None:
+            rec.events.append(f"reduced {rec.handle_name(self)}")
+        finish(self)
+
+    return [(flat_param.FlatParamHandle, "reduce_grad", issue), (flat_param.FlatParamHandle, "finish_reduction", complete)]
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[Recorder]:
+def recording(reductions: bool = False) -> Iterator[Recorder]:
+    """Record events; with ``reductions`` also when gradient reductions are issued
+    ("reduce X") and completed ("reduced X")."""
     rec = Recorder()
     patches = [
         (flat_param.FlatParamHandle, "unshard", _wrap_handle_method(rec, "unshard", "gather")),
@@ -113,6 +132,8 @@ def recording() -> Iterator[Recorder]:
         (Communicator, "all_reduce_mean", _count(rec, Communicator.all_reduce_mean, "all_reduce")),
         (Communicator, "gather_ints", _count_check(rec, Communicator.gather_ints)),
     ]
+    if reductions:
+        patches += _wrap_reduction(rec)
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, replacement in patches:

@@ -1,0 +1,105 @@
+"""Asynchronous collectives overlap computation, prefetch stays bounded, and ranks that run
+different units get an error instead of a hang."""
+
+
+import torch
+from expecttest import TestCase
+from torch import nn
+
+from flatshard import BackwardPrefetch, ShardedDataParallel
+from tests._models import Block, batch, build, lm_loss, local, make_optim, wrap
+from tests._spy import recording
+
+
+def _reduction_events(rank, world_size):
+    """Events of one backward (second step), including when reductions are issued and completed."""
+    with recording(reductions=True) as rec:
+        model = wrap(build(n_blocks=4), "nested", backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        rec.attach(model)
+        tokens, targets = (local(t, rank) for t in batch(0, world_size))
+        optim = make_optim(model.parameters())
+        for step in range(2):
+            if step == 1:
+                rec.clear()
+            lm_loss(model(tokens), targets).backward()
+            optim.step()
+    events = rec.events
+    return " | ".join(events[events.index("pre-backward root") :])
+
+
+class Swapping(nn.Module):
+    """Runs its blocks in the first-iteration order, then in reverse: every forward prefetch
+    of the later iterations (which follows the first iteration's order) misses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.calls = 0
+
+    def forward(self, x):
+        order = list(self.blocks) if self.calls == 0 else list(reversed(self.blocks))
+        self.calls += 1
+        for block in order:
+            x = block(x)
+        return x
+
+
+def _peak_with_mistargeted_prefetch(rank, world_size, limit):
+    with recording() as rec:
+        module = Swapping()
+        for i, block in enumerate(module.blocks):
+            module.blocks[i] = ShardedDataParallel(block, forward_prefetch=True, limit_all_gathers=limit)
+        model = ShardedDataParallel(module, forward_prefetch=True, limit_all_gathers=limit)
+        rec.attach(model)
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(rank))
+        for step in range(2):
+            if step == 1:
+                rec.clear()
+            model(x).square().mean().backward()
+    return rec.max_gathered
+
+
+def _divergent(rank, world_size, iteration):
+    """Rank 1 runs blocks 1 and 2 swapped, from iteration ``iteration`` on: every rank must
+    raise (the message is returned per rank)."""
+    module = build(n_blocks=3)
+    model = wrap(module, "nested")
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    try:
+        for step in range(iteration + 1):
+            if rank == 1 and step == iteration:
+                inner = model.module.blocks
+                inner[1], inner[2] = inner[2], inner[1]
+            lm_loss(model(tokens), targets).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+class OverlapTest(TestCase):
+    def test_reductions_run_while_later_units_compute(self):
+        events = self.pool.run(_reduction_events, 2)[0]
+        # "reduce X" is issued in X's post-backward and "reduced X" completes it: blocks.3's
+        # reduction is completed only after blocks.2 and blocks.1 computed their gradients
+        self.assertExpectedInline(events, """pre-backward root | gather blocks.3 | pre-backward blocks.3 | gather blocks.2 | post-backward blocks.3 | reduce blocks.3 | free blocks.3 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | reduce blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | reduce blocks.1 | reduced blocks.3 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | reduce blocks.0 | reduced blocks.2 | free blocks.0 | post-backward root | reduce root | reduced blocks.1 | free root | reduced blocks.0 | reduced root""")
+
+
+class LimitAllGathersTest(TestCase):
+    def test_at_most_two_units_wait_gathered_ahead_of_their_use(self):
+        limited = self.pool.run(_peak_with_mistargeted_prefetch, 2, True)[0]
+        unlimited = self.pool.run(_peak_with_mistargeted_prefetch, 2, False)[0]
+        self.assertLessEqual(limited, 1 + 1 + 2)  # the root, the computing block, two ahead
+        self.assertGreater(unlimited, limited)
+
+
+class OrderCheckTest(TestCase):
+    def test_different_units_in_the_first_iteration(self):
+        first, second = self.pool.run(_divergent, 2, 0, timeout=60)
+        self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))  # both ranks raise
+        self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is gathering the parameters of unit 'blocks.1'; rank 1 is gathering the parameters of unit 'blocks.2'""")
+
+    def test_different_order_in_a_later_iteration(self):
+        first, second = self.pool.run(_divergent, 2, 2, timeout=60)
+        self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
+        self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #2 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'""")
