@@ -30,3 +30,12 @@ def test_example_under_torchrun_uses_the_launchers_ranks():
     out = _run(cmd)
     assert out.startswith("3 ranks, ")
     assert "done: 3 steps" in out
+
+
+def test_benchmark_script_runs_and_prints_the_comparison():
+    bench = str(ROOT / "bench" / "bench.py")
+    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,fsdp1"]
+    out = _run([sys.executable, bench, *tiny])
+    rows = [line for line in out.splitlines() if line.startswith("| flatshard") or line.startswith("| fsdp1")]
+    assert len(rows) == 2, out
