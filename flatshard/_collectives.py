@@ -147,6 +147,13 @@ def _maybe_wait(pending: Pending, async_op: bool) -> Pending:
     return pending
 
 
+def mesh_of(group: ProcessGroup, device: torch.device) -> Any:
+    """A 1-D ``DeviceMesh`` over ``group`` (for the ``DTensor``s of sharded state dicts)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device.type)
+
+
 def fingerprint(text: str) -> int:
     """A 63-bit digest of ``text`` that is the same in every process (unlike ``hash``)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1

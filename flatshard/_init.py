@@ -114,6 +114,7 @@ def build_unit(
         for i, members in enumerate(group_params(params))
     ]
     unit = Unit(handles, config, group, device)
+    unit.device_mesh = options["device_mesh"]
     register_hooks(unit)
     unit.adopt(nested)
     return unit

@@ -49,8 +49,9 @@ class ParamPlaceholder(torch.Tensor):
         raise RuntimeError(
             f"parameter '{placeholder.param_name}' is sharded by ShardedDataParallel: its full value "
             f"exists only while its unit runs forward or backward, so '{what}' cannot be used on it "
-            f"here (reading or changing full parameters outside forward needs summon_full_params, "
-            f"which is not supported yet); optimizers work on model.parameters(), the FlatParameter shards"
+            f"here (to read or change full parameters outside forward, use "
+            f"ShardedDataParallel.summon_full_params(model)); optimizers work on model.parameters(), "
+            f"the FlatParameter shards"
         )
 
 

@@ -16,7 +16,14 @@ import torch
 from ._collectives import Communicator, ProcessGroup, all_gather_object, all_ranks_agree
 from ._common import TrainingState, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
-from .api import BackwardPrefetch, ShardingStrategy
+from .api import (
+    BackwardPrefetch,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardingStrategy,
+    StateDictSettings,
+    StateDictType,
+)
 from .flat_param import FlatParamHandle
 
 
@@ -73,6 +80,13 @@ class Unit:
         # signal when frozen handles are no longer needed; see _runtime).
         self.open_input_hooks = 0
         self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
+        # What state_dict() / load_state_dict() produce and take (set_state_dict_type).
+        self.state_dict_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
+        # The 1-D DeviceMesh of ``group`` that sharded state dicts put their DTensors on: the
+        # user's device_mesh, else made on first use.
+        self.device_mesh: Optional[object] = None
 
     @property
     def group(self) -> ProcessGroup:

@@ -130,7 +130,13 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Configuration of ``StateDictType.SHARDED_STATE_DICT``."""
+    """Configuration of ``StateDictType.SHARDED_STATE_DICT``.
+
+    Args:
+        offload_to_cpu: put the local shards of the ``DTensor`` values on the CPU.
+        _use_dtensor: FSDP1's switch between ``ShardedTensor`` and ``DTensor`` values; flatshard
+            always produces ``DTensor`` values (``ShardedTensor`` is deprecated in torch).
+    """
 
     _use_dtensor: bool = False
 

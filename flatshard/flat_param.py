@@ -168,6 +168,9 @@ class FlatParamHandle:
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
         self._reduction: Optional[Pending] = None  # the gradient reduction in flight
         self.state = HandleState.UNSHARDED
+        # Each touched module's parameter names in registration order, before flattening:
+        # state dicts list the originals in that order (see [Note: plain view]).
+        self.param_order = _param_order(params)
         for p in params:
             p.module._parameters.pop(p.attr_name, None)
         _empty_originals(primaries)
@@ -267,13 +270,65 @@ class FlatParamHandle:
 
     def named_full_views(self) -> List[Tuple[str, torch.Tensor]]:
         """(name, full tensor) for every registration, tied ones included; needs UNSHARDED."""
+        views = self.full_views()
+        named = [(info.name, views[i]) for i, info in enumerate(self.param_infos)]
+        return named + [(s.name, views[s.primary]) for s in self.shared_param_infos]
+
+    def full_views(self) -> List[torch.Tensor]:
+        """One plain (autograd-free) view of the full flat tensor per original parameter, in
+        ``param_infos`` order; needs UNSHARDED."""
         self.wait()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] full views requested while {self.state.name}")
-        chunks = self._full_data.split(self._split_sizes)
-        views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
-        named = [(info.name, views[i]) for i, info in enumerate(self.param_infos)]
-        return named + [(s.name, views[s.primary]) for s in self.shared_param_infos]
+        return self.split_full(self._full_data)
+
+    def slots(self) -> List[Tuple[nn.Module, str, int]]:
+        """Every registration: (module, attribute, index into ``param_infos``)."""
+        return list(self._slots)
+
+    def load_param(self, index: int, value: torch.Tensor) -> None:
+        """Set original parameter ``index`` to ``value`` (its full value, any dtype and
+        device): this rank's part of it in the shard, and the full flat tensor if gathered."""
+        info = self.param_infos[index]
+        if tuple(value.shape) != tuple(info.shape):
+            raise AssertionError(f"[rank {self.rank}] {info.name}: value of shape {tuple(value.shape)}, expected {tuple(info.shape)}")
+        flat = value.detach().reshape(-1)
+        self.wait()
+        with torch.no_grad():
+            if self.state is HandleState.UNSHARDED:  # always so under NO_SHARD (shard = full)
+                self._full_data[info.offset : info.offset + info.numel].copy_(flat)
+            if self.sharded:
+                shard = self.flat_param.detach()
+                for held in self.shard_param_infos:
+                    if held.index == index:
+                        piece = flat[held.param_offset : held.param_offset + held.numel]
+                        shard[held.shard_offset : held.shard_offset + held.numel].copy_(piece)
+
+    def shard_from_full(self) -> None:
+        """Copy this rank's range of the gathered full flat tensor into the shard (after the
+        full parameters were changed in place)."""
+        self.wait()
+        if self.state is not HandleState.UNSHARDED:
+            raise AssertionError(f"[rank {self.rank}] write-back requested while {self.state.name}")
+        if self.sharded:
+            start = self.rank * self.shard_numel
+            with torch.no_grad():
+                self.flat_param.detach().copy_(self._full_data[start : start + self.shard_numel])
+
+    def gather_grad(self) -> Optional[torch.Tensor]:
+        """The full (padded) flat gradient assembled from every rank's shard gradient, or
+        ``None`` without one. Collective when sharded; every rank must agree on ``None``."""
+        grad = self.flat_param.grad
+        if grad is None or not self.sharded:
+            return grad
+        full = torch.empty(self.padded_numel, dtype=grad.dtype, device=grad.device)
+        self.comm.all_gather(full, grad.detach().contiguous())
+        return full
+
+    def split_full(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """A full flat tensor (e.g. a gathered gradient) as per-parameter views."""
+        chunks = flat.split(self._split_sizes)
+        return [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
 
     def full_storage_bytes(self) -> int:
         """Bytes the full flat tensor holds right now (0 when resharded, unless ``NO_SHARD``)."""
@@ -400,6 +455,14 @@ def _layout(params: Sequence[OrigParam]) -> _Layout:
             offset += p.param.numel()
         slots.append((p.module, p.attr_name, index))
     return primaries, tuple(infos), tuple(shared), slots
+
+
+def _param_order(params: Sequence[OrigParam]) -> List[Tuple[nn.Module, Tuple[str, ...]]]:
+    seen: Dict[int, Tuple[nn.Module, Tuple[str, ...]]] = {}
+    for p in params:
+        if id(p.module) not in seen:
+            seen[id(p.module)] = (p.module, tuple(p.module._parameters))
+    return list(seen.values())
 
 
 def _flatten(params: Sequence[nn.Parameter], padded_numel: int, device: torch.device) -> torch.Tensor:

@@ -4,18 +4,29 @@ forward/backward machinery in ``_runtime``, flattening and sharding in ``flat_pa
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from ._collectives import ProcessGroup
-from ._common import WRAPPED_MODULE, TrainingState, display_name
+from ._common import WRAPPED_MODULE, TrainingState, clean_name, display_name
 from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
+from ._state_dict import get_settings, load_model_state, make_settings, model_state, set_settings
+from ._summon import forward_while_summoned, summon_full_params
 from ._unit import lazy_init
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from .flat_param import FlatParamHandle, OrigParam
 
 __all__ = ["ShardedDataParallel"]
@@ -187,6 +198,8 @@ class ShardedDataParallel(nn.Module):
     # -- running ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return forward_while_summoned(self._unit, self._fsdp_wrapped_module, args, kwargs)
         if self._unit.ctx is None:
             lazy_init(self._unit)
         return run_forward(self._unit, self._fsdp_wrapped_module, args, kwargs)
@@ -217,13 +230,129 @@ class ShardedDataParallel(nn.Module):
             return found
         return [m for m in found if m._unit.parent is None]
 
-    # -- not (yet) supported -----------------------------------------------------------------
+    # -- state dicts and full parameters -----------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        raise NotImplementedError("state_dict() of a ShardedDataParallel model is not supported yet")
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> StateDictSettings:
+        """Choose what ``state_dict()`` / ``load_state_dict()`` of every unit under ``module``
+        produce and take; returns the previous settings.
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        raise NotImplementedError("load_state_dict() of a ShardedDataParallel model is not supported yet")
+        Args:
+            module: the model (or any module containing ``ShardedDataParallel`` units).
+            state_dict_type: ``FULL_STATE_DICT`` (the unwrapped model's keys, full tensors),
+                ``SHARDED_STATE_DICT`` (the same keys, ``DTensor`` parts for
+                ``torch.distributed.checkpoint``) or ``LOCAL_STATE_DICT`` (this rank's flat shards).
+            state_dict_config: the type's config (default: its defaults), e.g.
+                ``FullStateDictConfig(offload_to_cpu=True, rank0_only=True)``.
+            optim_state_dict_config: the matching optimizer-state config.
+        """
+        settings = make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
+        return set_settings(module, settings, _is_wrapper)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the units under ``module`` (an error if they differ)."""
+        return get_settings(module, _is_wrapper)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> Iterator[None]:
+        """``set_state_dict_type`` for the length of a ``with`` block (same arguments)."""
+        previous = ShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        try:
+            yield
+        finally:
+            ShardedDataParallel.set_state_dict_type(
+                module, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config
+            )
+
+    def state_dict(  # type: ignore[override]
+        self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
+    ) -> Dict[str, Any]:
+        """The model's state in the form ``set_state_dict_type`` selected (default
+        ``FULL_STATE_DICT``): the unwrapped model's keys, with full tensors, ``DTensor`` parts,
+        or (``LOCAL_STATE_DICT``) this rank's flat shards. Collective: call on every rank."""
+        return model_state(self, destination, prefix, keep_vars, _is_wrapper)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load a state dict of the selected type into the shards; ``strict`` as in torch
+        (missing and unexpected keys are reported by the unwrapped model's names). Collective:
+        every rank passes the same keys."""
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True) is not supported: the values are copied into the shards")
+        if not isinstance(strict, bool):
+            raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
+        return load_model_state(self, state_dict, strict, _is_wrapper)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "a ShardedDataParallel model inside a module that is not one cannot be loaded through that "
+            "module's load_state_dict(); call load_state_dict() on the ShardedDataParallel itself"
+        )
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Inside, the modules hold their full original parameters as ``nn.Parameter``s under
+        their plain names, e.g. for evaluation, generation or inspection. Collective.
+
+        Args:
+            module: the model, or any module containing ``ShardedDataParallel`` units.
+            recurse: summon every unit under ``module`` (``False``: only the outermost ones).
+            writeback: copy changes to the parameters back into the shards on exit
+                (``False``: discard them).
+            rank0_only: only rank 0 gets the full parameters (needs ``writeback=False``).
+            offload_to_cpu: give copies on the CPU (on a CPU device, the parameters themselves).
+            with_grads: also give each parameter its full ``.grad`` (read-only: gradients are
+                not written back).
+        """
+        if not isinstance(recurse, bool):
+            raise TypeError(f"summon_full_params: recurse must be a bool; got {recurse!r}")
+        wrappers = ShardedDataParallel.fsdp_modules(module)
+        if not wrappers:
+            raise ValueError(f"summon_full_params: {type(module).__name__} contains no ShardedDataParallel module")
+        if not recurse:
+            inner = {id(u) for w in wrappers for _, u in w._unit.descendants}
+            wrappers = [w for w in wrappers if id(w._unit) not in inner]
+        with summon_full_params(list(module.modules()), [w._unit for w in wrappers], writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
+        """As ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the
+        unwrapped model's (the summoned full parameters, without wrapper prefixes), as in FSDP1."""
+        named = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            yield from named
+            return
+        for name, param in named:
+            yield clean_name(name), param
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """As ``nn.Module.named_buffers``; inside ``summon_full_params`` with the unwrapped
+        model's names, like ``named_parameters``."""
+        named = super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            yield from named
+            return
+        for name, buffer in named:
+            yield clean_name(name), buffer
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .to(), .cuda(), .double(), to_empty(), ... would replace only the shards, not the
@@ -264,10 +393,6 @@ class ShardedDataParallel(nn.Module):
 # rather than an AttributeError about the wrapped module (attribute forwarding).
 _NOT_YET = (
     "clip_grad_norm_",
-    "summon_full_params",
-    "state_dict_type",
-    "set_state_dict_type",
-    "get_state_dict_type",
     "full_optim_state_dict",
     "sharded_optim_state_dict",
     "shard_full_optim_state_dict",
@@ -278,6 +403,10 @@ _NOT_YET = (
     "optim_state_dict_to_load",
     "register_comm_hook",
 )
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    return isinstance(module, ShardedDataParallel)
 
 
 def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigParam]:

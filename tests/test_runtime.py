@@ -302,7 +302,7 @@ class StructureTest(TestCase):
         sum_error, init_error, grad_error = report["placeholder_errors"]
         self.assertExpectedInline(
             sum_error,
-            """parameter 'blocks.0.fc1.weight' is sharded by ShardedDataParallel: its full value exists only while its unit runs forward or backward, so 'sum' cannot be used on it here (reading or changing full parameters outside forward needs summon_full_params, which is not supported yet); optimizers work on model.parameters(), the FlatParameter shards""",
+            """parameter 'blocks.0.fc1.weight' is sharded by ShardedDataParallel: its full value exists only while its unit runs forward or backward, so 'sum' cannot be used on it here (to read or change full parameters outside forward, use ShardedDataParallel.summon_full_params(model)); optimizers work on model.parameters(), the FlatParameter shards""",
         )
         self.assertIn("so 'zero_' cannot be used", init_error)  # no silent no-op writes
         self.assertIn("so 'grad' cannot be used", grad_error)
@@ -359,8 +359,6 @@ def _conversions(rank, world_size):
     for call in (
         lambda: ShardedDataParallel.full_optim_state_dict(model, None),
         lambda: model.clip_grad_norm_(1.0),
-        lambda: model.summon_full_params(model),
-        lambda: model.state_dict(),
     ):
         try:
             call()
@@ -383,9 +381,7 @@ class ConveniencesTest(TestCase):
 moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float64) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
 moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float16) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
 ShardedDataParallel.full_optim_state_dict is not supported yet
-ShardedDataParallel.clip_grad_norm_ is not supported yet
-ShardedDataParallel.summon_full_params is not supported yet
-state_dict() of a ShardedDataParallel model is not supported yet""",
+ShardedDataParallel.clip_grad_norm_ is not supported yet""",
         )
 
 

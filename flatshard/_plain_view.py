@@ -1,0 +1,100 @@
+"""The model as the user built it, for the length of a ``with`` block: nested wrappers out of
+the way, original parameters back under their names.
+
+[Note: plain view] A state dict of a wrapped model must be exactly the unwrapped model's: its
+keys in its order, its modules' state-dict hooks, torch's own strict / missing / unexpected /
+size-mismatch handling and messages. Instead of re-implementing ``nn.Module.state_dict`` and
+``load_state_dict``, flatshard briefly puts the model back the way it was built and lets torch
+do the work: each nested wrapper is replaced in its parent by the module it wraps, and every
+module whose parameters were flattened gets a ``_parameters`` dict in its original order (as
+recorded by the handle before flattening) holding the tensors the caller supplies -- full
+values, ``DTensor`` shards, or shape-only sinks to load into -- instead of the
+``FlatParameter``. The same parameter object sits under every name of a tied parameter, as
+in the plain model. Everything is restored on exit, also after an error; units must be idle
+meanwhile (the caller checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .flat_param import FlatParamHandle
+
+_MISSING = object()
+
+# The values to install: for each handle, one tensor per original parameter (param_infos
+# order), or None to leave its parameters out (only the flat shards exist, LOCAL state dicts).
+Values = Optional[Mapping[FlatParamHandle, Sequence[torch.Tensor]]]
+
+
+@contextlib.contextmanager
+def plain_view(root: nn.Module, handles: Sequence[FlatParamHandle], values: Values, is_wrapper: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
+    """Inside: the module ``root`` (a wrapper) wraps, with every nested wrapper replaced by
+    its module and the original parameters of ``handles`` installed (see [Note: plain view])."""
+    modules = list(root.modules())
+    with swap_wrappers(modules, root, is_wrapper), install_params(modules, handles, values):
+        yield root._modules["_fsdp_wrapped_module"]  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def swap_wrappers(modules: Iterable[nn.Module], root: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> Iterator[None]:
+    """Replace every wrapper among ``modules``' children (but ``root``) by the module it wraps."""
+    swapped: List[Tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent in modules:
+            for name, child in list(parent._modules.items()):
+                if child is not None and child is not root and is_wrapper(child):
+                    parent._modules[name] = child._modules["_fsdp_wrapped_module"]
+                    swapped.append((parent, name, child))
+        yield
+    finally:
+        for parent, name, child in reversed(swapped):
+            parent._modules[name] = child
+
+
+@contextlib.contextmanager
+def install_params(modules: Iterable[nn.Module], handles: Sequence[FlatParamHandle], values: Values) -> Iterator[None]:
+    """Give the modules holding the parameters of ``handles`` plain ``_parameters`` dicts with
+    ``values`` installed and those handles' ``FlatParameter``s left out; attribute access
+    (``module.weight``) reaches the installed tensors too."""
+    slot_values: Dict[Tuple[int, str], Optional[torch.Tensor]] = {}
+    orders: Dict[int, Tuple[str, ...]] = {}
+    for handle in handles:
+        for module, attr, index in handle.slots():
+            slot_values[(id(module), attr)] = None if values is None else values[handle][index]
+        for module, names in handle.param_order:  # the earliest recording has the most names
+            if len(names) > len(orders.get(id(module), ())):
+                orders[id(module)] = names
+    flat_ids = {id(handle.flat_param) for handle in handles}
+    replaced: List[Tuple[nn.Module, Dict[str, Optional[nn.Parameter]]]] = []
+    hidden: List[Tuple[nn.Module, str, object]] = []
+    try:
+        for module in modules:
+            current = module._parameters
+            if id(module) not in orders and not any(id(p) in flat_ids for p in current.values()):
+                continue
+            new: Dict[str, Optional[torch.Tensor]] = {}
+            for name in orders.get(id(module), ()) + tuple(current):
+                value = slot_values.get((id(module), name), _MISSING)
+                if name in new:
+                    continue
+                if value is _MISSING:
+                    if name in current and id(current[name]) not in flat_ids:
+                        new[name] = current[name]
+                elif value is not None:
+                    new[name] = value  # type: ignore[assignment]
+                    hidden.append((module, name, module.__dict__.pop(name, _MISSING)))
+            replaced.append((module, current))
+            module.__dict__["_parameters"] = new
+        yield
+    finally:
+        for module, name, old in reversed(hidden):
+            module.__dict__.pop(name, None)
+            if old is not _MISSING:
+                module.__dict__[name] = old
+        for module, current in reversed(replaced):
+            module.__dict__["_parameters"] = current

@@ -1,0 +1,419 @@
+"""Model state dicts -- FULL, SHARDED and LOCAL -- and the state-dict type of each unit.
+
+[Note: state dicts unit by unit] FULL and SHARDED state dicts have the unwrapped model's keys
+(see [Note: plain view]); what differs is the values of the flattened parameters. Both are
+built one unit at a time: gather the unit's handles, copy out what the output keeps (the whole
+parameter, or this rank's ``torch.chunk`` part along dim 0 as a ``DTensor``), free the unit
+again. So beyond the output no rank ever holds more than one unit's full parameters, and with
+``rank0_only`` the other ranks keep nothing at all. Loading needs no gathering: a full value
+already contains this rank's range, and a ``DTensor`` is assembled (``full_tensor()``) one
+parameter at a time. LOCAL state dicts hold each handle's flat shard as it is, with a layout
+record that loading checks, since a shard only makes sense at the same world size and rank.
+
+[Note: load agreement] Loading is collective (``DTensor`` values are gathered), so before any
+gathering the ranks compare, with one small all-gather, a digest of what they were given and
+whether torch's own checks failed; a disagreement becomes an error on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._collectives import all_gather_object, fingerprint, mesh_of
+from ._common import HandleState, clean_name, coerce_config, coerce_enum, join_name
+from ._plain_view import plain_view
+from ._summon import check_idle
+from ._unit import Unit
+from .api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from .flat_param import FlatParamHandle
+
+LOCAL_LAYOUT_KEY = "_flatshard_local_layout"
+
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+IsWrapper = Callable[[nn.Module], bool]
+
+
+# -- settings -----------------------------------------------------------------------------
+
+
+def named_units(module: nn.Module, is_wrapper: IsWrapper) -> List[Tuple[str, Unit]]:
+    """Every unit in ``module``'s tree with its path relative to ``module`` (wrapper names
+    removed), in module order."""
+    return [(clean_name(path), m._unit) for path, m in module.named_modules() if is_wrapper(m)]  # type: ignore[misc]
+
+
+def make_settings(state_dict_type: Any, state_dict_config: Any, optim_state_dict_config: Any) -> StateDictSettings:
+    """Check and complete ``set_state_dict_type``'s arguments (FSDP1's rules: each config must
+    belong to the type; a missing one gets the type's defaults)."""
+    kind = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+    config_cls, optim_cls = _CONFIGS[kind]  # type: ignore[index]
+    config = _coerce_kind(state_dict_config, config_cls, StateDictConfig, "state_dict_config", kind)
+    optim = _coerce_kind(optim_state_dict_config, optim_cls, OptimStateDictConfig, "optim_state_dict_config", kind)
+    return StateDictSettings(kind, config or config_cls(), optim or optim_cls())  # type: ignore[arg-type]
+
+
+def _coerce_kind(value: Any, expected: type, base: type, arg_name: str, kind: StateDictType) -> Any:
+    if value is None:
+        return None
+    candidates = [expected] + [cls for pair in _CONFIGS.values() for cls in pair if cls is not expected] + [base]
+    for cls in candidates:
+        if isinstance(value, cls) or type(value).__name__ == cls.__name__:
+            if cls is not expected:
+                raise TypeError(
+                    f"{arg_name} must be a {expected.__name__} for StateDictType.{kind.name}; "
+                    f"got {type(value).__name__}"
+                )
+            return coerce_config(value, expected, arg_name)
+    raise TypeError(f"{arg_name} must be a {expected.__name__} or None; got {value!r}")
+
+
+def set_settings(module: nn.Module, settings: StateDictSettings, is_wrapper: IsWrapper) -> StateDictSettings:
+    """Apply ``settings`` to every unit under ``module``; return the previous ones (of the
+    outermost unit, should they differ)."""
+    units = [unit for _, unit in named_units(module, is_wrapper)]
+    if not units:
+        raise ValueError(f"set_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
+    previous = dataclasses.replace(units[0].state_dict_settings)
+    for unit in units:
+        unit.state_dict_settings = dataclasses.replace(settings)
+    return previous
+
+
+def get_settings(module: nn.Module, is_wrapper: IsWrapper) -> StateDictSettings:
+    """The settings shared by every unit under ``module`` (an error if they differ)."""
+    named = named_units(module, is_wrapper)
+    if not named:
+        raise ValueError(f"get_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
+    first_name, first = named[0]
+    for name, unit in named[1:]:
+        if unit.state_dict_settings != first.state_dict_settings:
+            raise ValueError(
+                f"the ShardedDataParallel units under {type(module).__name__} have different state-dict "
+                f"settings: {_where(first_name)} has {first.state_dict_settings}, {_where(name)} has "
+                f"{unit.state_dict_settings}; use set_state_dict_type on the whole model"
+            )
+    return dataclasses.replace(first.state_dict_settings)
+
+
+def _where(name: str) -> str:
+    return f"'{name}'" if name else "the root module"
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefix: str, keep_vars: bool, is_wrapper: IsWrapper) -> Dict[str, Any]:
+    """``wrapper.state_dict()`` in the form its state-dict type selects (see
+    [Note: state dicts unit by unit])."""
+    named = named_units(wrapper, is_wrapper)
+    units = [unit for _, unit in named]
+    check_idle(units, "state_dict()")
+    settings = get_settings(wrapper, is_wrapper)
+    kind, config = settings.state_dict_type, settings.state_dict_config
+    handles = [h for unit in units for h in unit.handles]
+    root = units[0]
+    if kind is StateDictType.FULL_STATE_DICT:
+        values = _full_values(handles, config)  # type: ignore[arg-type]
+        if config.rank0_only and root.rank != 0:  # type: ignore[attr-defined]
+            return destination if destination is not None else OrderedDict()
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        values = _sharded_values(units, config.offload_to_cpu)
+    else:
+        values = None
+    if keep_vars and values is not None:
+        values = {h: [nn.Parameter(v, requires_grad=h.requires_grad) for v in vs] for h, vs in values.items()}
+    with plain_view(wrapper, handles, values, is_wrapper) as inner:
+        out = inner.state_dict(prefix=prefix, keep_vars=keep_vars)
+    if config.offload_to_cpu:
+        for key, value in out.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu" and not _is_dtensor(value):
+                out[key] = value.cpu()
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        _add_local(out, named, prefix, config.offload_to_cpu, keep_vars)
+    if destination is None:
+        return out
+    destination.update(out)
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is not None:
+        metadata.update(getattr(out, "_metadata", {}))
+    return destination
+
+
+def _gathered(handle: FlatParamHandle) -> Tuple[List[torch.Tensor], bool]:
+    """Gather ``handle`` if needed: (its full per-parameter views, whether it was gathered
+    already and so must stay so)."""
+    before = handle.state is not HandleState.SHARDED
+    handle.unshard()
+    return handle.full_views(), before
+
+
+def _full_values(handles: Sequence[FlatParamHandle], config: FullStateDictConfig) -> Dict[FlatParamHandle, List[torch.Tensor]]:
+    values = {}
+    for handle in handles:
+        views, before = _gathered(handle)
+        if config.rank0_only and handle.rank != 0:
+            values[handle] = []  # gathered only because the collective needs every rank
+        elif config.offload_to_cpu:
+            values[handle] = [v.to("cpu", copy=True) for v in views]
+        else:
+            values[handle] = [v.clone() for v in views]
+        if not before:
+            handle.reshard()
+    return values
+
+
+def _sharded_values(units: Sequence[Unit], offload: bool) -> Dict[FlatParamHandle, List[torch.Tensor]]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    values = {}
+    for unit in units:
+        if not unit.handles:
+            continue
+        if unit.device_mesh is None:
+            unit.device_mesh = mesh_of(unit.group, unit.device)
+        for handle in unit.handles:
+            views, before = _gathered(handle)
+            out = []
+            for view in views:
+                if view.dim() == 0:
+                    local, placements = view.clone(), [Replicate()]
+                else:
+                    local, placements = _chunk(view, unit.world_size, unit.rank).clone(), [Shard(0)]
+                if offload:
+                    local = local.cpu()
+                out.append(DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=view.shape, stride=view.stride()))
+            values[handle] = out
+            if not before:
+                handle.reshard()
+    return values
+
+
+def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """``rank``'s part of ``full`` along dim 0 as ``Shard(0)`` places it: ``torch.chunk``'s
+    split, with empty parts for the ranks it runs out before."""
+    chunks = full.chunk(world_size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_empty((0,) + tuple(full.shape[1:]))
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _add_local(out: Dict[str, Any], named: Sequence[Tuple[str, Unit]], prefix: str, offload: bool, keep_vars: bool) -> None:
+    for path, unit in named:
+        for handle in unit.handles:
+            shard = handle.flat_param if keep_vars else handle.flat_param.detach()
+            out[prefix + join_name(path, handle.attr_name)] = shard.to("cpu", copy=True) if offload else shard
+    out[prefix + LOCAL_LAYOUT_KEY] = _local_layout(named)
+
+
+def _local_layout(named: Sequence[Tuple[str, Unit]]) -> Dict[str, Any]:
+    """What a LOCAL state dict's shards mean: checked on load."""
+    root = named[0][1]
+    handles = {
+        join_name(path, h.attr_name): f"{h.describe()}; {h.numel} elements, {h.shard_numel} per rank"
+        for path, unit in named
+        for h in unit.handles
+    }
+    return {"world_size": root.world_size, "rank": root.rank, "handles": handles}
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: bool, is_wrapper: IsWrapper) -> Any:
+    """``wrapper.load_state_dict(state_dict, strict)`` for its state-dict type."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_state_dict: state_dict must be a mapping (e.g. a dict); got {type(state_dict).__name__}")
+    named = named_units(wrapper, is_wrapper)
+    units = [unit for _, unit in named]
+    check_idle(units, "load_state_dict()")
+    kind = get_settings(wrapper, is_wrapper).state_dict_type
+    handles = [h for unit in units for h in unit.handles]
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        return _load_local(wrapper, named, handles, state_dict, strict, is_wrapper)
+    sinks = {h: [torch.empty(info.shape, dtype=h.dtype, device="meta") for info in h.param_infos] for h in handles}
+    error: Optional[BaseException] = None
+    result = None
+    with plain_view(wrapper, handles, sinks, is_wrapper) as inner:
+        registrations = _registrations(inner, handles)
+        shaped = _with_sinks(state_dict, registrations)
+        try:
+            result = inner.load_state_dict(shaped, strict=strict)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+    _agree(units[0], state_dict, error, "load_state_dict")
+    chosen: Dict[Tuple[FlatParamHandle, int], Any] = {}
+    for key, target in registrations.items():  # the last registration of a tie wins, as in torch
+        if key in state_dict:
+            chosen[target] = state_dict[key]
+    for handle in handles:
+        for index in range(len(handle.param_infos)):
+            value = chosen.get((handle, index))
+            if value is not None:
+                handle.load_param(index, value.full_tensor() if _is_dtensor(value) else value)
+    return result
+
+
+def _registrations(inner: nn.Module, handles: Sequence[FlatParamHandle]) -> Dict[str, Tuple[FlatParamHandle, int]]:
+    """The key of every registration of the handles' parameters in the plain view, in the
+    order torch loads them."""
+    slots: Dict[int, List[Tuple[str, FlatParamHandle, int]]] = {}
+    for handle in handles:
+        for module, attr, index in handle.slots():
+            slots.setdefault(id(module), []).append((attr, handle, index))
+    keys: Dict[str, Tuple[FlatParamHandle, int]] = {}
+    for path, module in inner.named_modules(remove_duplicate=False):
+        for attr, handle, index in slots.get(id(module), ()):
+            keys[join_name(path, attr)] = (handle, index)
+    return keys
+
+
+def _with_sinks(state_dict: Mapping[str, Any], registrations: Mapping[str, Any]) -> Dict[str, Any]:
+    """``state_dict`` with each flattened parameter's value replaced by a shape-only tensor:
+    torch's load then checks keys and shapes, and we copy the values into the shards."""
+    out: Dict[str, Any] = OrderedDict(state_dict)
+    for key in registrations:
+        value = out.get(key)
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
+
+
+def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
+    out = []
+    for key, value in state_dict.items():
+        shape = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        out.append(f"{key}: {type(value).__name__}{shape}")
+    return out
+
+
+def _agree(unit: Unit, state_dict: Mapping[str, Any], error: Optional[BaseException], what: str) -> None:
+    """See [Note: load agreement]. Raises ``error`` (or the first failing rank's) on every rank."""
+    entries = _describe_entries(state_dict)
+    if unit.world_size > 1:
+        digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
+        everyone = unit.comm.gather_ints(digest, unit.device)
+        if len(set(everyone)) > 1:
+            reports = all_gather_object((None if error is None else str(error), entries), unit.group)
+            _raise_disagreement(unit.rank, reports, error, what)
+    if error is not None:
+        raise error
+
+
+def _raise_disagreement(rank: int, reports: List[Tuple[Optional[str], List[str]]], error: Optional[BaseException], what: str) -> None:
+    if error is not None:
+        raise error
+    failed = [r for r, (message, _) in enumerate(reports) if message is not None]
+    if failed:
+        raise RuntimeError(f"[rank {rank}] {what} failed on rank {failed[0]}:\n{reports[failed[0]][0]}")
+    entries = reports[0][1]
+    other = next(r for r, (_, theirs) in enumerate(reports) if theirs != entries)
+    theirs = reports[other][1]
+    index = next(i for i in range(max(len(entries), len(theirs))) if entries[i : i + 1] != theirs[i : i + 1])
+    mine = entries[index] if index < len(entries) else "nothing more"
+    its = theirs[index] if index < len(theirs) else "nothing more"
+    raise ValueError(
+        f"[rank {rank}] {what}: the ranks passed different state dicts (every rank must pass the same "
+        f"keys, types and shapes): entry #{index} is '{mine}' on rank 0 but '{its}' on rank {other}"
+    )
+
+
+def _load_local(
+    wrapper: nn.Module,
+    named: Sequence[Tuple[str, Unit]],
+    handles: Sequence[FlatParamHandle],
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    is_wrapper: IsWrapper,
+) -> Any:
+    shards = {join_name(path, h.attr_name): h for path, unit in named for h in unit.handles}
+    rest: Dict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k not in shards and k != LOCAL_LAYOUT_KEY)
+    if getattr(state_dict, "_metadata", None) is not None:
+        rest._metadata = state_dict._metadata  # type: ignore[attr-defined]
+    error: Optional[BaseException] = None
+    result = None
+    with plain_view(wrapper, handles, None, is_wrapper) as inner:
+        try:
+            result = inner.load_state_dict(rest, strict=strict)
+            _check_local(state_dict, shards, _local_layout(named), strict, result)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+    _agree(named[0][1], {k: v for k, v in state_dict.items() if k != LOCAL_LAYOUT_KEY}, error, "load_state_dict")
+    with torch.no_grad():
+        for key, handle in shards.items():
+            if key in state_dict:
+                handle.flat_param.detach().copy_(state_dict[key])
+    return result
+
+
+def _check_local(state_dict: Mapping[str, Any], shards: Mapping[str, FlatParamHandle], expected: Dict[str, Any], strict: bool, result: Any) -> None:
+    saved = state_dict.get(LOCAL_LAYOUT_KEY)
+    if saved is None:
+        if strict:
+            raise RuntimeError(
+                f"LOCAL_STATE_DICT: the state dict has no '{LOCAL_LAYOUT_KEY}' entry, so it was not made by "
+                f"state_dict() under StateDictType.LOCAL_STATE_DICT; load full or sharded state dicts under "
+                f"their own type"
+            )
+    elif saved != expected:
+        raise RuntimeError(_layout_mismatch(saved, expected))
+    for key, handle in shards.items():
+        if handle.sharded and handle.state is not HandleState.SHARDED:
+            raise RuntimeError(
+                f"LOCAL_STATE_DICT: flat parameter '{key}' is still gathered from a forward whose backward "
+                f"has not run, and a shard cannot update it; run the backward (or the forward under "
+                f"torch.no_grad()) before loading"
+            )
+    missing = [key for key in shards if key not in state_dict]
+    if missing and strict:
+        raise RuntimeError(f"LOCAL_STATE_DICT: missing flat shard(s): {', '.join(repr(k) for k in missing)}")
+    result.missing_keys.extend(missing)
+    for key, handle in shards.items():
+        value = state_dict.get(key)
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != (handle.shard_numel,)):
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RuntimeError(f"LOCAL_STATE_DICT: flat shard '{key}' has {got}; this rank's shard has shape ({handle.shard_numel},)")
+
+
+def _layout_mismatch(saved: Any, expected: Dict[str, Any]) -> str:
+    head = "LOCAL_STATE_DICT holds one rank's flat shards and loads only into the same rank of the same layout"
+    tail = "; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead"
+    if not isinstance(saved, dict):
+        return f"{head}: its layout record is {saved!r}{tail}"
+    for field in ("world_size", "rank"):
+        if saved.get(field) != expected[field]:
+            return f"{head}: it was saved with {field}={saved.get(field)}, but this is {field}={expected[field]}{tail}"
+    for key in sorted(set(saved.get("handles", {})) | set(expected["handles"])):
+        theirs, mine = saved.get("handles", {}).get(key), expected["handles"].get(key)
+        if theirs != mine:
+            return f"{head}: flat parameter '{key}' was saved as [{theirs}] but the model has [{mine}]{tail}"
+    return f"{head}: the layout differs{tail}"

@@ -1,0 +1,190 @@
+"""``summon_full_params``: the full original parameters on the modules, outside forward and
+backward.
+
+[Note: summoned units] Inside the context each summoned unit is in the SUMMON_FULL_PARAMS
+state, its handles are gathered, and its modules hold ``nn.Parameter``s under their plain
+names (``install_params``, see [Note: plain view]) instead of views or placeholders. With
+``writeback`` those parameters alias the gathered full flat tensor, so in-place changes
+land there and the shard's range is copied back on exit; a parameter the user *replaced*
+(``module.weight = nn.Parameter(...)``) is copied back by value. Without ``writeback`` the
+changes must vanish: a full flat tensor that outlives the context (``NO_SHARD``, or a unit
+gathered before the context) is therefore never handed out, only a copy of it. A forward
+inside the context runs the wrapped modules as they are, without gathering or hooks, so
+evaluation and generation work on the full model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._collectives import all_gather_object
+from ._common import HandleState, TrainingState, display_name, join_name
+from ._plain_view import install_params
+from ._unit import Unit
+from .flat_param import FlatParamHandle
+
+_SUMMON = TrainingState.SUMMON_FULL_PARAMS
+_IDLE = TrainingState.IDLE
+
+
+def check_idle(units: Sequence[Unit], what: str) -> None:
+    """Raise unless every unit is idle: ``what`` cannot run during forward, backward or
+    another ``summon_full_params``."""
+    for unit in units:
+        if unit.training_state is _SUMMON:
+            raise RuntimeError(
+                f"{unit.where()}: {what} cannot be used inside summon_full_params (the unit's "
+                f"full parameters are already summoned)"
+            )
+        if unit.training_state is not _IDLE:
+            raise RuntimeError(
+                f"{unit.where()}: {what} cannot be used while the unit is in {unit.training_state.name} "
+                f"(during forward or backward); call it between iterations"
+            )
+
+
+def check_summon_options(**flags: Any) -> None:
+    """Check ``summon_full_params``' flags (given by keyword)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"summon_full_params: {name} must be a bool; got {value!r}")
+    if flags["rank0_only"] and flags["writeback"]:
+        raise ValueError(
+            "summon_full_params: rank0_only=True and writeback=True cannot be combined: only rank 0 "
+            "holds the full parameters, so the other ranks' shards could not be written back "
+            "(pass writeback=False)"
+        )
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    modules: Sequence[nn.Module],
+    units: Sequence[Unit],
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """Gather ``units`` and install their full parameters on ``modules`` (every module of the
+    tree summoned over) for the ``with`` block; see [Note: summoned units]."""
+    check_summon_options(writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+    check_idle(units, "summon_full_params")
+    handles = [h for unit in units for h in unit.handles]
+    if with_grads:
+        _check_grads_agree(units)
+    for unit in units:
+        unit.move((_IDLE,), _SUMMON)
+    gathered_before = {h: h.state is not HandleState.SHARDED for h in handles}
+    try:
+        keep = {h: not rank0_only or h.rank == 0 for h in handles}
+        values: Dict[FlatParamHandle, List[nn.Parameter]] = {}
+        aliased: Dict[FlatParamHandle, bool] = {}
+        for handle in handles:
+            handle.unshard()
+            params, aliased[handle] = _summoned_params(handle, writeback, offload_to_cpu, gathered_before[handle])
+            grads = handle.gather_grad() if with_grads else None
+            if not keep[handle]:
+                if not gathered_before[handle]:
+                    handle.reshard()  # only rank 0 keeps them
+                continue
+            if grads is not None:
+                for param, grad in zip(params, handle.split_full(grads)):
+                    param.grad = grad.cpu() if offload_to_cpu else grad
+            values[handle] = params
+        installed = [h for h in handles if h in values]
+        with install_params(modules, installed, values):
+            try:
+                yield
+            finally:
+                if writeback:
+                    for unit in units:
+                        for handle in unit.handles:
+                            _write_back(unit, handle, values[handle], aliased[handle])
+    finally:
+        for handle in handles:
+            if not gathered_before[handle]:
+                handle.reshard()
+        for unit in units:
+            unit.move((_SUMMON,), _IDLE)
+
+
+def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, gathered_before: bool) -> Tuple[List[nn.Parameter], bool]:
+    """The parameters to install, and whether they alias the full flat tensor."""
+    views = handle.full_views()
+    tensors = views
+    if offload and handle.device.type != "cpu":
+        tensors = [view.cpu() for view in views]
+    elif not writeback and (not handle.sharded or gathered_before):
+        tensors = [view.clone() for view in views]  # the full tensor outlives the context
+    params = [nn.Parameter(t, requires_grad=handle.requires_grad) for t in tensors]
+    return params, tensors is views
+
+
+def _write_back(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter], aliased: bool) -> None:
+    """Copy the (possibly changed or replaced) summoned parameters into the shard."""
+    replaced: Dict[int, torch.Tensor] = {}
+    for module, attr, index in handle.slots():
+        now = module._parameters.get(attr)
+        if now is params[index]:
+            continue
+        name = join_name(unit.name, handle.param_infos[index].name)
+        expected = tuple(params[index].shape)
+        if not isinstance(now, torch.Tensor) or tuple(now.shape) != expected:
+            got = f"shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) else repr(now)
+            raise ValueError(
+                f"summon_full_params(writeback=True): parameter '{name}' was replaced by {got}; "
+                f"only a tensor of its shape {expected} can be written back to the shards"
+            )
+        replaced[index] = now
+    if aliased:
+        handle.shard_from_full()
+        for index, param in enumerate(params):
+            if not handle.aliases(param):  # its .data was replaced
+                replaced.setdefault(index, param)
+    else:
+        for index, param in enumerate(params):
+            handle.load_param(index, param)
+    for index, value in replaced.items():
+        handle.load_param(index, value)
+
+
+def _check_grads_agree(units: Sequence[Unit]) -> None:
+    """``with_grads`` gathers each gradient; the ranks must agree on which exist, else the
+    all-gathers would not match."""
+    mine = [h.flat_param.grad is not None for unit in units for h in unit.handles]
+    if not units or units[0].world_size == 1:
+        return
+    code = sum(1 << i for i, has in enumerate(mine) if has) if len(mine) < 62 else hash(tuple(mine)) & (2**62 - 1)
+    everyone = units[0].comm.gather_ints(code, units[0].device)
+    if len(set(everyone)) == 1:
+        return
+    per_rank: List[List[bool]] = all_gather_object(mine, units[0].group)
+    names = [display_name(unit.name) for unit in units for _ in unit.handles]
+    first = next(i for i in range(len(mine)) if len({flags[i] for flags in per_rank}) > 1)
+    have = [r for r, flags in enumerate(per_rank) if flags[first]]
+    raise RuntimeError(
+        f"[rank {units[0].rank}] summon_full_params(with_grads=True): the ranks disagree on whether unit "
+        f"{names[first]} has gradients (ranks {have} have them); run backward on every rank first"
+    )
+
+
+def forward_while_summoned(unit: Unit, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """A forward inside ``summon_full_params``: run the module on the summoned parameters."""
+    parent = unit.parent
+    if parent is not None and parent.training_state not in (_SUMMON, _IDLE):
+        raise RuntimeError(
+            f"{unit.where()}: its full parameters are summoned (summon_full_params), so it cannot run "
+            f"inside the forward or backward of unit {display_name(parent.name)}, which is not; summon "
+            f"the whole model (recurse=True) or leave the context first"
+        )
+    for name, member in unit.descendants:
+        if member.training_state is not _SUMMON:
+            raise RuntimeError(
+                f"{unit.where()}: forward inside summon_full_params needs every unit under it summoned, "
+                f"but unit {display_name(member.name)} is not (use recurse=True)"
+            )
+    return module(*args, **kwargs)
