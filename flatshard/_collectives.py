@@ -165,6 +165,14 @@ def all_ranks_agree(text: str, group: ProcessGroup, device: torch.device) -> boo
     return all(v == values[0] for v in values)
 
 
+def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
+    """The group's first rank's ``obj`` on every rank (for metadata only)."""
+    box = [obj]
+    if size_of(group) > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     """Every rank's ``obj``, in rank order (slow; for error reports and metadata only)."""
     out: List[Optional[Any]] = [None] * size_of(group)

@@ -33,11 +33,12 @@ Values = Optional[Mapping[FlatParamHandle, Sequence[torch.Tensor]]]
 
 @contextlib.contextmanager
 def plain_view(root: nn.Module, handles: Sequence[FlatParamHandle], values: Values, is_wrapper: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
-    """Inside: the module ``root`` (a wrapper) wraps, with every nested wrapper replaced by
-    its module and the original parameters of ``handles`` installed (see [Note: plain view])."""
+    """Inside: ``root`` as built -- the module it wraps if it is a wrapper -- with every
+    nested wrapper replaced by its module and the original parameters of ``handles``
+    installed (see [Note: plain view])."""
     modules = list(root.modules())
     with swap_wrappers(modules, root, is_wrapper), install_params(modules, handles, values):
-        yield root._modules["_fsdp_wrapped_module"]  # type: ignore[misc]
+        yield root._modules["_fsdp_wrapped_module"] if is_wrapper(root) else root  # type: ignore[misc]
 
 
 @contextlib.contextmanager

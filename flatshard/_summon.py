@@ -8,7 +8,8 @@ names (``install_params``, see [Note: plain view]) instead of views or placehold
 land there and the shard's range is copied back on exit; a parameter the user *replaced*
 (``module.weight = nn.Parameter(...)``) is copied back by value. Without ``writeback`` the
 changes must vanish: a full flat tensor that outlives the context (``NO_SHARD``, or a unit
-gathered before the context) is therefore never handed out, only a copy of it. A forward
+gathered before the context) is therefore never handed out, only a copy of it. On exit the
+summoned parameters are emptied, so a reference kept past the context cannot read freed memory. A forward
 inside the context runs the wrapped modules as they are, without gathering or hooks, so
 evaluation and generation work on the full model.
 """
@@ -79,10 +80,10 @@ def summon_full_params(
     for unit in units:
         unit.move((_IDLE,), _SUMMON)
     gathered_before = {h: h.state is not HandleState.SHARDED for h in handles}
+    values: Dict[FlatParamHandle, List[nn.Parameter]] = {}
+    aliased: Dict[FlatParamHandle, bool] = {}
     try:
         keep = {h: not rank0_only or h.rank == 0 for h in handles}
-        values: Dict[FlatParamHandle, List[nn.Parameter]] = {}
-        aliased: Dict[FlatParamHandle, bool] = {}
         for handle in handles:
             handle.unshard()
             params, aliased[handle] = _summoned_params(handle, writeback, offload_to_cpu, gathered_before[handle])
@@ -105,11 +106,22 @@ def summon_full_params(
                         for handle in unit.handles:
                             _write_back(unit, handle, values[handle], aliased[handle])
     finally:
+        _empty_summoned(values)
         for handle in handles:
             if not gathered_before[handle]:
                 handle.reshard()
         for unit in units:
             unit.move((_SUMMON,), _IDLE)
+
+
+def _empty_summoned(values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:
+    """Summoned parameters kept past the context would read the full flat tensor after its
+    memory is freed; emptied (as the originals are at wrapping), any such use fails loudly."""
+    with torch.no_grad():
+        for params in values.values():
+            for param in params:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                param.grad = None
 
 
 def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, gathered_before: bool) -> Tuple[List[nn.Parameter], bool]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._collectives import ProcessGroup
-from ._common import WRAPPED_MODULE, TrainingState, clean_name, display_name
+from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
 from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
@@ -22,12 +22,14 @@ from .api import (
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
 )
 from .flat_param import FlatParamHandle, OrigParam
+from .optim_state import flatten_optim_state, gather_optim_state, init_state, optimizer_groups, rekey, scatter_optim_state
 
 __all__ = ["ShardedDataParallel"]
 
@@ -354,6 +356,165 @@ class ShardedDataParallel(nn.Module):
         for name, buffer in named:
             yield clean_name(name), buffer
 
+    # -- optimizer state (see flatshard.optim_state) -----------------------------------------
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Optional[Any] = None,
+        rank0_only: bool = True,
+        group: Optional[ProcessGroup] = None,
+    ) -> Dict[str, Any]:
+        """The optimizer's state as a plain optimizer on the unwrapped model holds it, keyed
+        by parameter names (``state`` and ``param_groups``), with full tensors on the CPU.
+        Collective; with ``rank0_only`` only rank 0 gets it (``{}`` elsewhere).
+
+        Args:
+            model: the ``ShardedDataParallel`` model ``optim`` was built on.
+            optim: the optimizer.
+            optim_input: not supported (FSDP1's deprecated alternative to ``optim``).
+            rank0_only: materialise the dict on rank 0 only.
+            group: the model's process group (``None``: the model's own).
+        """
+        _optim_checks(model, optim, optim_input, group)
+        return gather_optim_state(model, optim, None, _is_wrapper, rank0_only, offload=True, sharded=False)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
+        """The optimizer's state keyed by parameter names with ``DTensor`` parts (as in a
+        ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
+        _optim_checks(model, optim, None, group)
+        return gather_optim_state(model, optim, None, _is_wrapper, rank0_only=False, offload=False, sharded=True)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: Dict[str, Any], model: nn.Module, optim_input: Optional[Any] = None, optim: Optional[torch.optim.Optimizer] = None
+    ) -> Dict[str, Any]:
+        """This rank's part of a full (name-keyed) optimizer state dict, keyed by parameter
+        ID for ``optim.load_state_dict()``. Every rank passes the full dict; no communication.
+
+        Args:
+            full_optim_state_dict: e.g. from ``full_optim_state_dict`` or a plain optimizer
+                rekeyed with ``rekey_optim_state_dict(..., OptimStateKeyType.PARAM_NAME, ...)``.
+            model: the ``ShardedDataParallel`` model.
+            optim_input: the parameters (or param groups) the optimizer was built with, if
+                not ``model.parameters()`` and ``optim`` is not given.
+            optim: the optimizer to load into (its param groups give the parameter IDs).
+        """
+        groups = optimizer_groups(model, optim, optim_input)
+        return flatten_optim_state(model, full_optim_state_dict, groups, _is_wrapper, "shard_full_optim_state_dict", collective=False)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: Optional[Dict[str, Any]],
+        model: nn.Module,
+        optim_input: Optional[Any] = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+        group: Optional[ProcessGroup] = None,
+    ) -> Dict[str, Any]:
+        """``shard_full_optim_state_dict`` where only rank 0 has the full dict (the other
+        ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
+        _check_group(model, group)
+        groups = optimizer_groups(model, optim, optim_input)
+        return scatter_optim_state(model, full_optim_state_dict, groups, _is_wrapper)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
+        ``optim.load_state_dict()`` (works at any world size). Collective."""
+        groups = optimizer_groups(model, optim, None)
+        return flatten_optim_state(model, sharded_optim_state_dict, groups, _is_wrapper, "flatten_sharded_optim_state_dict", collective=True)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: Dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Optional[Any] = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+    ) -> Dict[str, Any]:
+        """Re-key an optimizer state dict of a plain (unwrapped) model between parameter
+        names (``PARAM_NAME``) and parameter IDs (``PARAM_ID``), e.g. to load a full state
+        dict of a ``ShardedDataParallel`` model into a plain optimizer, or the reverse.
+
+        Args:
+            optim_state_dict: the optimizer state dict.
+            optim_state_key_type: the key type wanted.
+            model: the plain model (not wrapped).
+            optim_input: the parameters the optimizer was built with, if not ``model.parameters()``.
+            optim: the plain optimizer (instead of ``optim_input``).
+        """
+        key_type = coerce_enum(optim_state_key_type, OptimStateKeyType, "optim_state_key_type")
+        if ShardedDataParallel.fsdp_modules(model):
+            raise ValueError(
+                "rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a "
+                "ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, "
+                "optim_state_dict)"
+            )
+        return rekey(optim_state_dict, key_type, model, optimizer_groups(model, optim, optim_input))  # type: ignore[arg-type]
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[Dict[str, Any]] = None, group: Optional[ProcessGroup] = None
+    ) -> Dict[str, Any]:
+        """The optimizer's state keyed by parameter names, in the form of the model's
+        state-dict type: full tensors (``FULL_STATE_DICT``, per ``FullOptimStateDictConfig``)
+        or ``DTensor`` parts (``SHARDED_STATE_DICT``). For a fresh optimizer (no step yet) the
+        sharded form is a complete template for ``torch.distributed.checkpoint.load``.
+        Collective.
+
+        Args:
+            model: the ``ShardedDataParallel`` model.
+            optim: its optimizer.
+            optim_state_dict: ``optim.state_dict()`` to convert instead of ``optim``'s own.
+            group: the model's process group (``None``: the model's own).
+        """
+        _optim_checks(model, optim, None, group)
+        settings = get_settings(model, _is_wrapper)
+        config = settings.optim_state_dict_config
+        if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+            rank0_only = getattr(config, "rank0_only", False)
+            return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, rank0_only, config.offload_to_cpu, sharded=False)
+        if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            raise NotImplementedError("optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL or SHARDED")
+        fresh = optim_state_dict is None and init_state(optim)
+        try:
+            return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, False, config.offload_to_cpu, sharded=True)
+        finally:
+            if fresh:
+                optim.state.clear()
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: Dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Optional[ProcessGroup] = None,
+    ) -> Dict[str, Any]:
+        """The inverse of ``optim_state_dict`` (full or sharded values, saved at any world
+        size): this rank's state keyed by parameter ID for ``optim.load_state_dict()``.
+        Collective.
+
+        Args:
+            model: the ``ShardedDataParallel`` model.
+            optim: its optimizer.
+            optim_state_dict: a name-keyed optimizer state dict.
+            is_named_optimizer: not supported (torchrec's keyed optimizers).
+            load_directly: also load the result into ``optim``.
+            group: the model's process group (``None``: the model's own).
+        """
+        if is_named_optimizer:
+            raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
+        _optim_checks(model, optim, None, group)
+        groups = optimizer_groups(model, optim, None)
+        result = flatten_optim_state(model, optim_state_dict, groups, _is_wrapper, "optim_state_dict_to_load", collective=True)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .to(), .cuda(), .double(), to_empty(), ... would replace only the shards, not the
         # full flat tensors the units gather into; refuse unless the conversion is a no-op.
@@ -391,22 +552,27 @@ class ShardedDataParallel(nn.Module):
 
 # FSDP1 methods that later versions implement. Each raises NotImplementedError naming itself,
 # rather than an AttributeError about the wrapped module (attribute forwarding).
-_NOT_YET = (
-    "clip_grad_norm_",
-    "full_optim_state_dict",
-    "sharded_optim_state_dict",
-    "shard_full_optim_state_dict",
-    "scatter_full_optim_state_dict",
-    "flatten_sharded_optim_state_dict",
-    "rekey_optim_state_dict",
-    "optim_state_dict",
-    "optim_state_dict_to_load",
-    "register_comm_hook",
-)
+_NOT_YET = ("clip_grad_norm_", "register_comm_hook")
 
 
 def _is_wrapper(module: nn.Module) -> bool:
     return isinstance(module, ShardedDataParallel)
+
+
+def _check_group(model: nn.Module, group: Optional[ProcessGroup]) -> None:
+    roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
+    if not roots:
+        raise ValueError(f"{type(model).__name__} contains no ShardedDataParallel module")
+    if group is not None and group is not roots[0].process_group:
+        raise ValueError("group must be None or the process group the model is sharded over")
+
+
+def _optim_checks(model: nn.Module, optim: Any, optim_input: Any, group: Optional[ProcessGroup]) -> None:
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(f"optim must be a torch.optim.Optimizer; got {type(optim).__name__}")
+    if optim_input is not None:
+        raise NotImplementedError("optim_input (FSDP1's deprecated alternative to optim) is not supported here; pass optim")
+    _check_group(model, group)
 
 
 def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigParam]:

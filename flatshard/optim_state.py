@@ -1,0 +1,487 @@
+"""The optimizer-state module: between the optimizer's view (state per ``FlatParameter``
+shard) and the user's (state per original parameter, keyed by its name).
+
+[Note: optimizer state per original parameter] The optimizer steps on each unit's
+``FlatParameter`` shard, so its state tensors (Adam's ``exp_avg``, ...) are flat and sharded
+like the parameter: *positional* state. Zero-dim tensors (``step``) and other values are the
+same for every element: *scalar* state. Unflattening gathers each positional tensor of one
+unit (an all-gather of the shards), splits it along the unit's layout into tensors shaped like
+the original parameters and gives each of them a copy of the scalar state; the result is what
+a plain optimizer on the unwrapped model holds, keyed by parameter names, in the plain model's
+parameter order. Flattening is the inverse: for this rank it copies, parameter by parameter,
+the part of each positional value that its shard holds, so a full value never has to be
+gathered. Units are converted one at a time, so beyond the output no rank holds more than one
+unit's full optimizer state.
+
+A parameter without state (a plain optimizer creates none until a parameter has a gradient)
+is zero-filled when another parameter of its ``FlatParameter`` has state: zero moments are
+what flat training keeps for a parameter that never had a gradient. Parameters of one
+``FlatParameter`` must otherwise agree (same state names, same scalar values), or flattening
+raises an error naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._collectives import all_gather_object, broadcast_object, fingerprint, mesh_of
+from ._common import clean_name, join_name
+from ._plain_view import plain_view
+from ._state_dict import IsWrapper, _agree, _chunk, named_units
+from ._unit import Unit
+from .api import OptimStateKeyType
+from .flat_param import FlatParameter, FlatParamHandle
+
+__all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "init_state"]
+
+_STEP_NAMES = frozenset({"step"})
+
+
+class OptimStateIndex:
+    """What the optimizer's parameters of ``model`` are: the handle and original parameter
+    names of each ``FlatParameter``, the name of each plain (ignored) parameter, and the
+    plain model's parameter order and shapes."""
+
+    def __init__(self, model: nn.Module, is_wrapper: IsWrapper) -> None:
+        named = named_units(model, is_wrapper)
+        if not named:
+            raise ValueError(f"{type(model).__name__} contains no ShardedDataParallel module")
+        self.root: Unit = named[0][1]
+        self.units = [unit for _, unit in named]
+        self.flat: Dict[int, Tuple[FlatParamHandle, Tuple[str, ...], Unit]] = {}
+        for path, unit in named:
+            for handle in unit.handles:
+                names = tuple(join_name(path, info.name) for info in handle.param_infos)
+                self.flat[id(handle.flat_param)] = (handle, names, unit)
+        self.plain: Dict[int, str] = {}
+        for name, param in model.named_parameters():
+            if not isinstance(param, FlatParameter):
+                self.plain[id(param)] = clean_name(name)
+        handles = [h for unit in self.units for h in unit.handles]
+        sinks = {h: [torch.empty(i.shape, dtype=h.dtype, device="meta") for i in h.param_infos] for h in handles}
+        with plain_view(model, handles, sinks, is_wrapper) as inner:
+            named_params = list(inner.named_parameters())
+        self.order = {name: i for i, (name, _) in enumerate(named_params)}
+        self.shapes = {name: tuple(p.shape) for name, p in named_params}
+
+    def names_of(self, param: torch.Tensor) -> Tuple[str, ...]:
+        """The user-facing names of what ``param`` (an optimizer parameter) holds."""
+        if id(param) in self.flat:
+            return self.flat[id(param)][1]
+        if id(param) in self.plain:
+            return (self.plain[id(param)],)
+        raise ValueError(
+            f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter of the "
+            f"model; build the optimizer from the ShardedDataParallel model's parameters()"
+        )
+
+    def sort(self, names: Iterable[str]) -> List[str]:
+        return sorted(names, key=lambda n: self.order.get(n, len(self.order)))
+
+
+def optimizer_groups(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> List[List[torch.Tensor]]:
+    """The optimizer's parameters, by group: from ``optim``, else ``optim_input`` (parameters
+    or param-group dicts), else ``model.parameters()``."""
+    if optim is not None:
+        return [list(group["params"]) for group in optim.param_groups]
+    if optim_input is None:
+        return [list(model.parameters())]
+    items = list(optim_input)
+    if items and isinstance(items[0], dict):
+        return [list(group["params"]) for group in items]
+    return [items]
+
+
+# -- unflattening (optimizer -> per original parameter) ------------------------------------
+
+
+def _kind(key: str, value: Any, shape: Tuple[int, ...]) -> str:
+    """``positional`` (shaped like the parameter), ``scalar`` (shared by all its elements)."""
+    if not isinstance(value, torch.Tensor):
+        return "scalar"
+    if value.dim() == 0 and (len(shape) > 0 or key in _STEP_NAMES):
+        return "scalar"
+    return "positional"
+
+
+def _copy(value: Any, offload: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True) if offload else value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _unflatten(
+    handle: FlatParamHandle, names: Sequence[str], unit: Unit, flat_state: Mapping[str, Any], keep: bool, offload: bool, sharded: bool
+) -> Dict[str, Dict[str, Any]]:
+    """One ``FlatParameter``'s state as per-parameter state (see [Note: optimizer state per
+    original parameter]); collective when sharded. ``keep=False``: gather, keep nothing."""
+    out: Dict[str, Dict[str, Any]] = {name: {} for name in names}
+    for key, value in flat_state.items():
+        if _kind(key, value, tuple(handle.flat_param.shape)) == "scalar":
+            for name in names:
+                out[name][key] = _copy(value, offload) if keep else None
+            continue
+        if tuple(value.shape) != tuple(handle.flat_param.shape):
+            raise ValueError(
+                f"optimizer state '{key}' of the FlatParameter of unit '{unit.name}' has shape "
+                f"{tuple(value.shape)}; positional state must be shaped like the parameter, {tuple(handle.flat_param.shape)}"
+            )
+        full = value.detach()
+        if handle.sharded:
+            full = torch.empty(handle.padded_numel, dtype=value.dtype, device=value.device)
+            handle.comm.all_gather(full, value.detach().contiguous())
+        if not keep:
+            continue
+        for name, part in zip(names, handle.split_full(full)):
+            if sharded:
+                out[name][key] = _as_dtensor(part, unit, offload)
+            else:
+                out[name][key] = _copy(part, offload)
+    return out
+
+
+def _as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if unit.device_mesh is None:
+        unit.device_mesh = mesh_of(unit.group, unit.device)
+    if full.dim() == 0:
+        local, placements = full.clone(), [Replicate()]
+    else:
+        local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
+    if offload:
+        local = local.cpu()
+    return DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
+    """The ranks must hold state for the same FlatParameters under the same names before
+    gathering it (one collective; see [Note: load agreement] in ``_state_dict``)."""
+    root = index.root
+    if root.world_size == 1:
+        return
+    mine = []
+    for param, state in zip(params, states):
+        if id(param) in index.flat:
+            keys = sorted((state or {}).keys())
+            mine.append(f"{index.names_of(param)[0]}: {', '.join(keys) if state else 'no state'}")
+    everyone = root.comm.gather_ints(fingerprint("\n".join(mine)), root.device)
+    if len(set(everyone)) == 1:
+        return
+    per_rank = all_gather_object(mine, root.group)
+    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
+    first = next(i for i, (a, b) in enumerate(itertools.zip_longest(per_rank[0], per_rank[other])) if a != b)
+    raise RuntimeError(
+        f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
+        f"parameters): rank 0 has [{per_rank[0][first] if first < len(per_rank[0]) else 'nothing'}], rank "
+        f"{other} has [{per_rank[other][first] if first < len(per_rank[other]) else 'nothing'}]"
+    )
+
+
+def gather_optim_state(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    source: Optional[Mapping[str, Any]],
+    is_wrapper: IsWrapper,
+    rank0_only: bool,
+    offload: bool,
+    sharded: bool,
+) -> Dict[str, Any]:
+    """The optimizer's state per original parameter, keyed by name: full tensors (on rank 0
+    only with ``rank0_only``; ``{}`` elsewhere) or, ``sharded``, ``DTensor`` parts. ``source``:
+    a state dict of ``optim`` to use instead of ``optim.state_dict()``."""
+    index = OptimStateIndex(model, is_wrapper)
+    source = optim.state_dict() if source is None else source
+    params = [p for group in optimizer_groups(model, optim, None) for p in group]
+    states = [source["state"].get(i) for i in range(len(params))]
+    _check_layouts_agree(index, params, states)
+    keep = not rank0_only or index.root.rank == 0
+    state: Dict[str, Dict[str, Any]] = {}
+    for param, flat_state in zip(params, states):
+        names = index.names_of(param)
+        if not flat_state:
+            continue
+        if id(param) in index.flat:
+            handle, _, unit = index.flat[id(param)]
+            state.update(_unflatten(handle, names, unit, flat_state, keep, offload, sharded))
+        elif keep:
+            state[names[0]] = {key: _copy(value, offload) for key, value in flat_state.items()}
+    if not keep:
+        return {}
+    groups = []
+    for group, saved in zip(optimizer_groups(model, optim, None), source["param_groups"]):
+        names = [name for p in group for name in index.names_of(p)]
+        groups.append({**{k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}, "params": index.sort(names)})
+    # Ordered as a plain optimizer whose groups list the parameters in model order.
+    ordered = [name for group in groups for name in group["params"] if name in state]
+    return {"state": {name: state[name] for name in ordered}, "param_groups": groups}
+
+
+def init_state(optim: torch.optim.Optimizer) -> bool:
+    """Give a fresh optimizer (no state) its state by one step with zero gradients and a zero
+    learning rate, which changes no parameter; ``False`` if it already has state. The caller
+    clears the state again after reading its shapes."""
+    if optim.state:
+        return False
+    params = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    rates = [group["lr"] for group in optim.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optim.param_groups:
+            group["lr"] = 0.0
+        optim.step()
+    finally:
+        for group, rate in zip(optim.param_groups, rates):
+            group["lr"] = rate
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    return True
+
+
+# -- flattening (per original parameter -> optimizer) --------------------------------------
+
+
+def _check_state_dict(osd: Any, what: str) -> None:
+    if not isinstance(osd, Mapping) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError(f"{what}: expected an optimizer state dict with 'state' and 'param_groups'; got {type(osd).__name__}")
+
+
+def _check_names(index: OptimStateIndex, osd: Mapping[str, Any]) -> Dict[str, int]:
+    """The saved group of each parameter name; an error for names the model does not have."""
+    unknown = [name for name in osd["state"] if name not in index.order]
+    group_of: Dict[str, int] = {}
+    for number, group in enumerate(osd["param_groups"]):
+        for name in group["params"]:
+            if name not in index.order:
+                unknown.append(name)
+            group_of[name] = number
+    if unknown:
+        listed = ", ".join(repr(n) for n in dict.fromkeys(unknown))
+        raise ValueError(f"the optimizer state dict has state for parameters the model does not have: {listed}")
+    return group_of
+
+
+def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], state: Mapping[str, Any]) -> Optional[List[Tuple[str, str, Any]]]:
+    """How to build one optimizer parameter's state from the per-parameter ``state``:
+    ``[(key, kind, dtype or the scalar value)]``, or ``None`` if none of ``names`` has state."""
+    present = [n for n in names if state.get(n)]
+    if not present:
+        return None
+    first = present[0]
+    keys = list(state[first])
+    plan = []
+    for name in present[1:]:
+        if set(state[name]) != set(keys):
+            raise ValueError(
+                f"parameters '{first}' and '{name}' share a FlatParameter but have different optimizer states: "
+                f"{sorted(keys)} vs {sorted(state[name])}"
+            )
+    for key in keys:
+        kind = _kind(key, state[first][key], shapes[first])
+        if kind == "scalar":
+            for name in present[1:]:
+                if not _equal(state[name][key], state[first][key]):
+                    raise ValueError(
+                        f"parameters '{first}' and '{name}' share a FlatParameter but have different '{key}': "
+                        f"{state[first][key]!r} vs {state[name][key]!r}"
+                    )
+            plan.append((key, kind, state[first][key]))
+            continue
+        for name in present:
+            value = state[name][key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shapes[name]:
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"optimizer state '{key}' of parameter '{name}' has {got}; the parameter has shape {shapes[name]}")
+        plan.append((key, kind, state[first][key].dtype))
+    return plan
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+    return type(a) is type(b) and a == b
+
+
+def _full_value(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _shard_of(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: torch.dtype, state: Mapping[str, Any]) -> torch.Tensor:
+    """This rank's part of positional state ``key`` of a FlatParameter, from per-parameter
+    values (zeros where a parameter has none)."""
+    shard = torch.zeros(handle.flat_param.shape, dtype=dtype, device=handle.device)
+    values = {}
+    for name in names:
+        if state.get(name):
+            values[name] = _full_value(state[name][key]).detach().reshape(-1)  # (collective for DTensors)
+    for held in handle.shard_param_infos:
+        value = values.get(names[held.index])
+        if value is not None:
+            shard[held.shard_offset : held.shard_offset + held.numel].copy_(value[held.param_offset : held.param_offset + held.numel])
+    return shard
+
+
+def _scalar(value: Any, device: torch.device) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _new_groups(index: OptimStateIndex, groups: Sequence[Sequence[torch.Tensor]], osd: Mapping[str, Any], group_of: Mapping[str, int]) -> List[Dict[str, Any]]:
+    """The optimizer's param groups with the saved hyperparameters and parameter IDs."""
+    if len(groups) != len(osd["param_groups"]):
+        raise ValueError(f"the optimizer has {len(groups)} param groups but the state dict has {len(osd['param_groups'])}")
+    out = []
+    next_id = 0
+    for number, group in enumerate(groups):
+        saved = None
+        for param in group:
+            for name in index.names_of(param):
+                where = group_of.get(name)
+                if where is None:
+                    raise ValueError(f"parameter '{name}' is in the optimizer but in none of the state dict's param groups")
+                if saved is not None and where != saved:
+                    raise ValueError(
+                        f"param group {number} of the optimizer holds parameters of the state dict's groups {saved} "
+                        f"and {where} (e.g. '{name}'); parameters of one FlatParameter or optimizer group must share a group"
+                    )
+                saved = where
+        hyper = osd["param_groups"][saved if saved is not None else number]
+        out.append({**{k: copy.deepcopy(v) for k, v in hyper.items() if k != "params"}, "params": list(range(next_id, next_id + len(group)))})
+        next_id += len(group)
+    return out
+
+
+def _describe(osd: Mapping[str, Any]) -> Dict[str, Any]:
+    return {f"{name}.{key}": value for name, state in osd["state"].items() for key, value in state.items()}
+
+
+def flatten_optim_state(
+    model: nn.Module, osd: Mapping[str, Any], groups: Sequence[Sequence[torch.Tensor]], is_wrapper: IsWrapper, what: str, collective: bool
+) -> Dict[str, Any]:
+    """A name-keyed optimizer state dict (full tensors or ``DTensor``s) as the state dict of
+    an optimizer over ``groups``, for this rank (keyed by parameter ID). ``collective``:
+    the ranks check they were given the same structure first (needed for ``DTensor`` values)."""
+    _check_state_dict(osd, what)
+    index = OptimStateIndex(model, is_wrapper)
+    error: Optional[BaseException] = None
+    try:
+        group_of = _check_names(index, osd)
+        new_groups = _new_groups(index, groups, osd, group_of)
+        plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for g in groups for p in g]
+    except ValueError as exc:
+        error = exc
+    if collective:
+        _agree(index.root, _describe(osd), error, what)
+    elif error is not None:
+        raise error
+    state: Dict[int, Dict[str, Any]] = {}
+    for pid, (param, plan) in enumerate(zip((p for g in groups for p in g), plans)):
+        if plan is None:
+            continue
+        names = index.names_of(param)
+        if id(param) in index.flat:
+            handle = index.flat[id(param)][0]
+            state[pid] = {
+                key: _scalar(extra, handle.device) if kind == "scalar" else _shard_of(handle, names, key, extra, osd["state"])
+                for key, kind, extra in plan
+            }
+        else:
+            state[pid] = {key: _scalar(_full_value(v), param.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for key, v in osd["state"][names[0]].items()}
+    return {"state": state, "param_groups": new_groups}
+
+
+def scatter_optim_state(
+    model: nn.Module, osd: Optional[Mapping[str, Any]], groups: Sequence[Sequence[torch.Tensor]], is_wrapper: IsWrapper
+) -> Dict[str, Any]:
+    """``flatten_optim_state`` where only the first rank has ``osd``: it sends each rank its
+    part, one FlatParameter state tensor at a time."""
+    index = OptimStateIndex(model, is_wrapper)
+    root = index.root
+    params = [p for g in groups for p in g]
+    skeleton: Any = None
+    if root.rank == 0:
+        try:
+            _check_state_dict(osd, "scatter_full_optim_state_dict")
+            group_of = _check_names(index, osd)  # type: ignore[arg-type]
+            new_groups = _new_groups(index, groups, osd, group_of)  # type: ignore[arg-type]
+            plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for p in params]  # type: ignore[index]
+            skeleton = ("ok", new_groups, plans)
+        except ValueError as exc:
+            skeleton = ("error", str(exc), None)
+    skeleton = broadcast_object(skeleton, root.group)
+    if skeleton[0] == "error":
+        raise ValueError(f"[rank {root.rank}] scatter_full_optim_state_dict: {skeleton[1]}")
+    _, new_groups, plans = skeleton
+    state: Dict[int, Dict[str, Any]] = {}
+    for pid, (param, plan) in enumerate(zip(params, plans)):
+        if plan is None:
+            continue
+        names = index.names_of(param)
+        entry: Dict[str, Any] = {}
+        for key, kind, extra in plan:
+            if kind == "scalar":
+                entry[key] = _scalar(extra, param.device)
+            elif id(param) in index.flat:
+                entry[key] = _scatter_flat(index.flat[id(param)][0], names, key, extra, osd)
+            else:
+                value = osd["state"][names[0]][key].to(param.device) if root.rank == 0 else torch.empty(param.shape, dtype=extra, device=param.device)  # type: ignore[index]
+                root.comm.broadcast_from_first(value)
+                entry[key] = value
+        state[pid] = entry
+    return {"state": state, "param_groups": new_groups}
+
+
+def _scatter_flat(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: torch.dtype, osd: Optional[Mapping[str, Any]]) -> torch.Tensor:
+    full = torch.zeros(handle.padded_numel, dtype=dtype, device=handle.device)
+    if handle.rank == 0:
+        for info, name in zip(handle.param_infos, names):
+            value = osd["state"].get(name)  # type: ignore[index]
+            if value:
+                full[info.offset : info.offset + info.numel].copy_(value[key].reshape(-1))
+    handle.comm.broadcast_from_first(full)
+    if not handle.sharded:
+        return full
+    start = handle.rank * handle.shard_numel
+    return full[start : start + handle.shard_numel].clone()
+
+
+# -- keys ----------------------------------------------------------------------------------
+
+
+def rekey(osd: Mapping[str, Any], key_type: OptimStateKeyType, model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) -> Dict[str, Any]:
+    """``osd`` keyed by parameter names (``PARAM_NAME``) or IDs (``PARAM_ID``: positions in
+    the optimizer's parameter order) of the plain ``model``."""
+    _check_state_dict(osd, "rekey_optim_state_dict")
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    ordered = [p for g in groups for p in g]
+    id_to_name = {}
+    for pid, param in enumerate(ordered):
+        if id(param) not in name_of:
+            raise ValueError(f"rekey_optim_state_dict: optimizer parameter #{pid} (shape {tuple(param.shape)}) is not a parameter of the model")
+        id_to_name[pid] = name_of[id(param)]
+    name_to_id = {name: pid for pid, name in id_to_name.items()}
+    table = name_to_id if key_type is OptimStateKeyType.PARAM_ID else id_to_name
+
+    def convert(key: Any) -> Any:
+        if key in table:
+            return table[key]
+        if key in (id_to_name if key_type is OptimStateKeyType.PARAM_ID else name_to_id):
+            return key  # keyed that way already
+        raise ValueError(f"rekey_optim_state_dict: the state dict names a parameter the model's optimizer does not have: {key!r}")
+
+    state = {convert(k): v for k, v in osd["state"].items()}
+    groups_out = []
+    for group in osd["param_groups"]:
+        keys = [convert(k) for k in group["params"]]
+        if key_type is OptimStateKeyType.PARAM_ID:
+            keys = sorted(keys)
+        groups_out.append({**group, "params": keys})
+    return {"state": state, "param_groups": groups_out}

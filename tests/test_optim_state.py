@@ -1,0 +1,315 @@
+"""Optimizer state: full and sharded optimizer state dicts per original parameter, save and
+resume at any world size, plain-model and torch FSDP1 interchange, errors.
+
+Truth is single-process training of the unwrapped model with the same optimizer on the global
+batch. The global batch has 12 rows at every world size, so runs at different world sizes
+train on the same data."""
+
+import os
+import shutil
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.fsdp as torch_fsdp
+from expecttest import TestCase
+
+from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
+from tests._models import Block, batch, build, lm_loss
+
+GLOBAL_ROWS = 12
+OPTIMIZERS = {
+    "Adam": lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05),
+    "SGD": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    "Adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.05),
+}
+FORMS = ("full", "sharded")
+K = 2
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _wrapped(seed=0, **options):
+    return ShardedDataParallel(build(seed, **options), auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def _groups(named):
+    """Two param groups: the blocks (own learning rate) and the rest, each in model order."""
+    named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in named]
+    blocks = [p for n, p in named if n.startswith("blocks.")]
+    rest = [p for n, p in named if not n.startswith("blocks.")]
+    return [{"params": rest}, {"params": blocks, "lr": 0.02}]
+
+
+def _step(model, optim, step, rank=None, world_size=1):
+    tokens, targets = batch(step, 1, per_rank=GLOBAL_ROWS)
+    if rank is not None:
+        rows = GLOBAL_ROWS // world_size
+        tokens, targets = tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
+    lm_loss(model(tokens), targets).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _reference(name, steps, **model_options):
+    plain = build(0, **model_options)
+    optim = OPTIMIZERS[name](_groups(plain.named_parameters()))
+    for step in range(steps):
+        _step(plain, optim, step)
+    return plain, optim
+
+
+def _assert_params(model, plain, where):
+    with ShardedDataParallel.summon_full_params(model):
+        actual = {name: param.detach().clone() for name, param in model.named_parameters()}
+    for name, expected in plain.named_parameters():
+        torch.testing.assert_close(actual[name], expected, **TOL, msg=lambda m: f"{where}: {name}: {m}")
+
+
+def _assert_full_osd(actual, expected, where):
+    if list(actual["state"]) != list(expected["state"]):
+        raise AssertionError(f"{where}: state keys {list(actual['state'])} vs {list(expected['state'])}")
+    for name, state in expected["state"].items():
+        if list(actual["state"][name]) != list(state):
+            raise AssertionError(f"{where}: {name}: state names {list(actual['state'][name])} vs {list(state)}")
+        for key, value in state.items():
+            torch.testing.assert_close(actual["state"][name][key], value, **TOL, msg=lambda m: f"{where}: {name}.{key}: {m}")
+    if actual["param_groups"] != expected["param_groups"]:
+        raise AssertionError(f"{where}: param groups {actual['param_groups']} vs {expected['param_groups']}")
+
+
+def _save(rank, world_size, directory):
+    """Train K steps with every optimizer, compare the full optimizer state with the plain
+    optimizer's, and save model + optimizer in both forms."""
+    for name in OPTIMIZERS:
+        model = _wrapped()
+        optim = OPTIMIZERS[name](_groups(model.named_parameters()))
+        for step in range(K):
+            _step(model, optim, step, rank, world_size)
+        full_osd = ShardedDataParallel.full_optim_state_dict(model, optim)
+        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with ShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            full_sd = model.state_dict()
+        if rank == 0:
+            plain, plain_optim = _reference(name, K)
+            expected = ShardedDataParallel.rekey_optim_state_dict(plain_optim.state_dict(), OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+            _assert_full_osd(full_osd, expected, f"{name} at world size {world_size}")
+            torch.save({"model": full_sd, "optim": full_osd}, os.path.join(directory, f"{name}-full-{world_size}.pt"))
+        else:
+            assert full_osd == {} and full_sd == {}, "rank0_only"
+        with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim)}
+            dcp.save(state, checkpoint_id=os.path.join(directory, f"{name}-sharded-{world_size}"))
+    dist.barrier()
+    return True
+
+
+def _resume(rank, world_size, directory, saved_at):
+    """Load each checkpoint into a fresh model and optimizer, train K more steps: the same
+    weights as 2K uninterrupted single-process steps."""
+    for name in OPTIMIZERS:
+        for form in FORMS:
+            model = _wrapped(seed=7)
+            optim = OPTIMIZERS[name](_groups(model.named_parameters()))
+            if form == "full":
+                checkpoint = torch.load(os.path.join(directory, f"{name}-full-{saved_at}.pt"), weights_only=False) if rank == 0 else None
+                model.load_state_dict(_broadcast_model(checkpoint, model))
+                optim.load_state_dict(
+                    ShardedDataParallel.scatter_full_optim_state_dict(checkpoint["optim"] if rank == 0 else None, model, optim=optim)
+                )
+            else:
+                with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                    before = len(optim.state)  # (Adagrad makes its state in its constructor)
+                    state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim)}
+                    if len(optim.state) != before or len(state["optim"]["state"]) != 21:
+                        raise AssertionError("the template must be complete and leave the optimizer as it was")
+                    dcp.load(state, checkpoint_id=os.path.join(directory, f"{name}-sharded-{saved_at}"))
+                    model.load_state_dict(state["model"])
+                    optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+            for step in range(K, 2 * K):
+                _step(model, optim, step, rank, world_size)
+            plain, _ = _reference(name, 2 * K)
+            _assert_params(model, plain, f"{name}, {form}, saved at {saved_at}, resumed at {world_size}")
+    return True
+
+
+def _broadcast_model(checkpoint, model):
+    """The full model state dict on every rank (torch.save'd by rank 0)."""
+    box = [checkpoint["model"] if checkpoint is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _plain_interchange(rank, world_size):
+    """A plain optimizer's state (rekeyed to names) loads into the wrapped model, and the
+    wrapped model's full state (rekeyed to IDs) into a plain optimizer; both continue like
+    uninterrupted training. A parameter that never had a gradient has no plain state and is
+    zero-filled (Adam without weight decay, so zero moments are exact)."""
+    options = dict(unused=True)
+    plain = build(0, **options)
+    plain_optim = torch.optim.Adam(_groups(plain.named_parameters()), lr=1e-2)
+    for step in range(K):
+        _step(plain, plain_optim, step)
+    named = ShardedDataParallel.rekey_optim_state_dict(plain_optim.state_dict(), OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+    model = _wrapped(seed=3, **options)
+    optim = torch.optim.Adam(_groups(model.named_parameters()), lr=1e-2)
+    model.load_state_dict(plain.state_dict())
+    optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(named, model, optim=optim))
+    back = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+    plain_state = {k: v.clone() for k, v in plain.state_dict().items()}
+    for step in range(K, 2 * K):
+        _step(model, optim, step, rank, world_size)
+        _step(plain, plain_optim, step)
+    _assert_params(model, plain, "plain -> wrapped")
+    other = build(5, **options)
+    other_optim = torch.optim.Adam(_groups(other.named_parameters()), lr=1e-2)
+    other.load_state_dict(plain_state)
+    other_optim.load_state_dict(ShardedDataParallel.rekey_optim_state_dict(back, OptimStateKeyType.PARAM_ID, other, optim=other_optim))
+    for step in range(K, 2 * K):
+        _step(other, other_optim, step)
+    for (name, expected), (_, actual) in zip(plain.named_parameters(), other.named_parameters()):
+        torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"wrapped -> plain: {name}: {m}")
+    return sorted(named["state"]), sorted(back["state"])
+
+
+def _errors(rank, world_size):
+    model = _wrapped()
+    optim = torch.optim.Adam(_groups(model.named_parameters()), lr=1e-2)
+    _step(model, optim, 0, rank, world_size)
+    good = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+    messages = []
+
+    def expect(make):
+        osd = make({"state": {k: dict(v) for k, v in good["state"].items()}, "param_groups": [dict(g) for g in good["param_groups"]]})
+        try:
+            ShardedDataParallel.shard_full_optim_state_dict(osd, model, optim=optim)
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+
+    def unknown(osd):
+        osd["state"]["blocks.7.fc1.weight"] = osd["state"]["blocks.0.fc1.weight"]
+        return osd
+
+    def missing(osd):
+        osd["param_groups"][1]["params"] = [n for n in osd["param_groups"][1]["params"] if n != "blocks.1.fc2.bias"]
+        return osd
+
+    def shape(osd):
+        osd["state"]["blocks.0.fc1.bias"]["exp_avg"] = torch.zeros(3)
+        return osd
+
+    def names(osd):
+        osd["state"]["blocks.0.fc1.bias"] = {"step": osd["state"]["blocks.0.fc1.bias"]["step"], "momentum_buffer": torch.zeros(16)}
+        return osd
+
+    def steps(osd):
+        osd["state"]["blocks.2.norm.weight"]["step"] = torch.tensor(5.0)
+        return osd
+
+    def group_count(osd):
+        osd["param_groups"] = osd["param_groups"][:1]
+        return osd
+
+    for make in (unknown, missing, shape, names, steps, group_count):
+        expect(make)
+    for call in (
+        lambda: ShardedDataParallel.full_optim_state_dict(model, "optim"),
+        lambda: ShardedDataParallel.shard_full_optim_state_dict([1], model, optim=optim),
+        lambda: ShardedDataParallel.rekey_optim_state_dict(good, OptimStateKeyType.PARAM_ID, model, optim=optim),
+        lambda: ShardedDataParallel.optim_state_dict_to_load(model, optim, good, is_named_optimizer=True),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            messages.append(f"{type(exc).__name__}: {exc}")
+    return messages
+
+
+def _fsdp1(seed):
+    return torch_fsdp.FullyShardedDataParallel(
+        build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+    )
+
+
+def _fsdp1_interchange(rank, world_size):
+    """Full optimizer state dicts of torch FSDP1 load into flatshard and vice versa; both
+    continue like uninterrupted single-process training (AdamW, two groups)."""
+    warnings.filterwarnings("ignore")
+    make = OPTIMIZERS["AdamW"]
+    results = []
+    for source_kind in ("fsdp1", "flatshard"):
+        source = _fsdp1(0) if source_kind == "fsdp1" else _wrapped(0)
+        source_optim = make(_groups(source.named_parameters()))
+        for step in range(K):
+            _step(source, source_optim, step, rank, world_size)
+        if source_kind == "fsdp1":
+            config = torch_fsdp.FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+            with torch_fsdp.FullyShardedDataParallel.state_dict_type(source, torch_fsdp.StateDictType.FULL_STATE_DICT, config):
+                model_state = source.state_dict()
+            osd = torch_fsdp.FullyShardedDataParallel.full_optim_state_dict(source, source_optim, rank0_only=False)
+            target = _wrapped(4)
+            target_optim = make(_groups(target.named_parameters()))
+            target.load_state_dict(model_state)
+            target_optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(osd, target, optim=target_optim))
+        else:
+            model_state = source.state_dict()
+            osd = ShardedDataParallel.full_optim_state_dict(source, source_optim, rank0_only=False)
+            target = _fsdp1(4)
+            target_optim = make(_groups(target.named_parameters()))
+            config = torch_fsdp.FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+            with torch_fsdp.FullyShardedDataParallel.state_dict_type(target, torch_fsdp.StateDictType.FULL_STATE_DICT, config):
+                target.load_state_dict(model_state)
+            target_optim.load_state_dict(torch_fsdp.FullyShardedDataParallel.shard_full_optim_state_dict(osd, target, optim=target_optim))
+        for step in range(K, 2 * K):
+            _step(target, target_optim, step, rank, world_size)
+        plain, _ = _reference("AdamW", 2 * K)
+        if source_kind == "fsdp1":
+            _assert_params(target, plain, "FSDP1 -> flatshard")
+        else:
+            with torch_fsdp.FullyShardedDataParallel.summon_full_params(target):
+                actual = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in target.named_parameters()}
+            for name, expected in plain.named_parameters():
+                torch.testing.assert_close(actual[name], expected, **TOL, msg=lambda m: f"flatshard -> FSDP1: {name}: {m}")
+        results.append(f"{source_kind}: {len(osd['state'])} parameters with state")
+    return results
+
+
+class OptimStateTest(TestCase):
+    def setUp(self):
+        self.directory = tempfile.mkdtemp(prefix="flatshard-optim-")
+        self.addCleanup(shutil.rmtree, self.directory, True)
+
+    def test_resume_full_and_sharded_at_the_same_and_other_world_sizes(self):
+        """Every optimizer and form: saved at 2 ranks, resumed at 2, 3, 4; saved at 3, resumed at 1."""
+        self.pool.run(_save, 2, self.directory)
+        self.pool.run(_save, 3, self.directory)
+        for saved_at, world_size in ((2, 2), (2, 3), (2, 4), (3, 1)):
+            with self.subTest(saved_at=saved_at, world_size=world_size):
+                self.pool.run(_resume, world_size, self.directory, saved_at)
+
+    def test_plain_optimizer_state_interchange_and_zero_fill(self):
+        named, back = self.pool.run(_plain_interchange, 2)[0]
+        self.assertNotIn("unused_param", named)  # the plain optimizer never stepped it
+        self.assertEqual(sorted(named + ["unused_param"]), back)  # zero-filled in its FlatParameter
+
+    def test_fsdp1_full_optimizer_state_dicts_interchange(self):
+        results = self.pool.run(_fsdp1_interchange, 2)
+        self.assertEqual(results[0], ["fsdp1: 21 parameters with state", "flatshard: 21 parameters with state"])
+
+    def test_errors_name_the_parameters(self):
+        messages = self.pool.run(_errors, 2)[0]
+        self.assertExpectedInline("\n".join(messages), """\
+the optimizer state dict has state for parameters the model does not have: 'blocks.7.fc1.weight'
+parameter 'blocks.1.fc2.bias' is in the optimizer but in none of the state dict's param groups
+optimizer state 'exp_avg' of parameter 'blocks.0.fc1.bias' has shape (3,); the parameter has shape (16,)
+parameters 'blocks.0.norm.weight' and 'blocks.0.fc1.bias' share a FlatParameter but have different optimizer states: ['exp_avg', 'exp_avg_sq', 'step'] vs ['momentum_buffer', 'step']
+parameters 'blocks.2.norm.weight' and 'blocks.2.norm.bias' share a FlatParameter but have different 'step': tensor(5.) vs tensor(1.)
+the optimizer has 2 param groups but the state dict has 1
+TypeError: optim must be a torch.optim.Optimizer; got str
+ValueError: shard_full_optim_state_dict: expected an optimizer state dict with 'state' and 'param_groups'; got list
+ValueError: rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, optim_state_dict)
+NotImplementedError: optim_state_dict_to_load(is_named_optimizer=True) is not supported""")
