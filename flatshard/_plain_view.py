@@ -8,7 +8,7 @@ size-mismatch handling and messages. Instead of re-implementing ``nn.Module.stat
 do the work: each nested wrapper is replaced in its parent by the module it wraps, and every
 module whose parameters were flattened gets a ``_parameters`` dict in its original order (as
 recorded by the handle before flattening) holding the tensors the caller supplies -- full
-values, ``DTensor`` shards, or shape-only sinks to load into -- instead of the
+values, ``DTensor`` shards, or sinks that record what torch loads -- instead of the
 ``FlatParameter``. The same parameter object sits under every name of a tied parameter, as
 in the plain model. Everything is restored on exit, also after an error; units must be idle
 meanwhile (the caller checks).
@@ -63,10 +63,12 @@ def install_params(modules: Iterable[nn.Module], handles: Sequence[FlatParamHand
     ``values`` installed and those handles' ``FlatParameter``s left out; attribute access
     (``module.weight``) reaches the installed tensors too."""
     slot_values: Dict[Tuple[int, str], Optional[torch.Tensor]] = {}
+    slot_names: Dict[int, Tuple[str, ...]] = {}
     orders: Dict[int, Tuple[str, ...]] = {}
     for handle in handles:
         for module, attr, index in handle.slots():
             slot_values[(id(module), attr)] = None if values is None else values[handle][index]
+            slot_names[id(module)] = slot_names.get(id(module), ()) + (attr,)
         for module, names in handle.param_order:  # the earliest recording has the most names
             if len(names) > len(orders.get(id(module), ())):
                 orders[id(module)] = names
@@ -79,7 +81,8 @@ def install_params(modules: Iterable[nn.Module], handles: Sequence[FlatParamHand
             if id(module) not in orders and not any(id(p) in flat_ids for p in current.values()):
                 continue
             new: Dict[str, Optional[torch.Tensor]] = {}
-            for name in orders.get(id(module), ()) + tuple(current):
+            # (the recorded order first; a name it lacks still goes in rather than vanishing)
+            for name in orders.get(id(module), ()) + tuple(current) + slot_names.get(id(module), ()):
                 value = slot_values.get((id(module), name), _MISSING)
                 if name in new:
                     continue

@@ -27,7 +27,7 @@ from torch import nn
 from ._collectives import all_gather_object, fingerprint, mesh_of
 from ._common import HandleState, clean_name, coerce_config, coerce_enum, join_name
 from ._plain_view import plain_view
-from ._summon import check_idle
+from ._summon import check_idle, check_ranks_agree
 from ._unit import Unit
 from .api import (
     FullOptimStateDictConfig,
@@ -100,6 +100,16 @@ def set_settings(module: nn.Module, settings: StateDictSettings, is_wrapper: IsW
     return previous
 
 
+def snapshot_settings(module: nn.Module, is_wrapper: IsWrapper) -> List[Tuple[Unit, StateDictSettings]]:
+    """Every unit's settings, for ``restore_settings``."""
+    return [(unit, dataclasses.replace(unit.state_dict_settings)) for _, unit in named_units(module, is_wrapper)]
+
+
+def restore_settings(snapshot: Sequence[Tuple[Unit, StateDictSettings]]) -> None:
+    for unit, settings in snapshot:
+        unit.state_dict_settings = settings
+
+
 def get_settings(module: nn.Module, is_wrapper: IsWrapper) -> StateDictSettings:
     """The settings shared by every unit under ``module`` (an error if they differ)."""
     named = named_units(module, is_wrapper)
@@ -133,6 +143,8 @@ def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefi
     kind, config = settings.state_dict_type, settings.state_dict_config
     handles = [h for unit in units for h in unit.handles]
     root = units[0]
+    if kind is not StateDictType.LOCAL_STATE_DICT:  # (gathering follows)
+        check_ranks_agree(root, [f"StateDictType.{kind.name}, {config}", f"{len(handles)} FlatParameters"], "state_dict()")
     if kind is StateDictType.FULL_STATE_DICT:
         values = _full_values(handles, config)  # type: ignore[arg-type]
         if config.rank0_only and root.rank != 0:  # type: ignore[attr-defined]
@@ -257,55 +269,48 @@ def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: 
     handles = [h for unit in units for h in unit.handles]
     if kind is StateDictType.LOCAL_STATE_DICT:
         return _load_local(wrapper, named, handles, state_dict, strict, is_wrapper)
-    sinks = {h: [torch.empty(info.shape, dtype=h.dtype, device="meta") for info in h.param_infos] for h in handles}
+    sinks = {h: [LoadSink(info.shape, h.dtype) for info in h.param_infos] for h in handles}
     error: Optional[BaseException] = None
     result = None
     with plain_view(wrapper, handles, sinks, is_wrapper) as inner:
-        registrations = _registrations(inner, handles)
-        shaped = _with_sinks(state_dict, registrations)
         try:
-            result = inner.load_state_dict(shaped, strict=strict)
+            result = inner.load_state_dict(state_dict, strict=strict)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
     _agree(units[0], state_dict, error, "load_state_dict")
-    chosen: Dict[Tuple[FlatParamHandle, int], Any] = {}
-    for key, target in registrations.items():  # the last registration of a tie wins, as in torch
-        if key in state_dict:
-            chosen[target] = state_dict[key]
     for handle in handles:
-        for index in range(len(handle.param_infos)):
-            value = chosen.get((handle, index))
-            if value is not None:
+        for index, sink in enumerate(sinks[handle]):
+            if sink.loaded is not None:  # (the last registration of a tie wins, as in torch)
+                value = sink.loaded
                 handle.load_param(index, value.full_tensor() if _is_dtensor(value) else value)
     return result
 
 
-def _registrations(inner: nn.Module, handles: Sequence[FlatParamHandle]) -> Dict[str, Tuple[FlatParamHandle, int]]:
-    """The key of every registration of the handles' parameters in the plain view, in the
-    order torch loads them."""
-    slots: Dict[int, List[Tuple[str, FlatParamHandle, int]]] = {}
-    for handle in handles:
-        for module, attr, index in handle.slots():
-            slots.setdefault(id(module), []).append((attr, handle, index))
-    keys: Dict[str, Tuple[FlatParamHandle, int]] = {}
-    for path, module in inner.named_modules(remove_duplicate=False):
-        for attr, handle, index in slots.get(id(module), ()):
-            keys[join_name(path, attr)] = (handle, index)
-    return keys
+class LoadSink(torch.Tensor):
+    """What a flattened parameter is while torch loads a state dict into the plain view: a
+    shape-only tensor that records the value torch copies into it -- after the modules' load
+    hooks had their say -- instead of copying, so that the shards can be loaded from it."""
 
+    loaded: Optional[torch.Tensor]
 
-def _with_sinks(state_dict: Mapping[str, Any], registrations: Mapping[str, Any]) -> Dict[str, Any]:
-    """``state_dict`` with each flattened parameter's value replaced by a shape-only tensor:
-    torch's load then checks keys and shapes, and we copy the values into the shards."""
-    out: Dict[str, Any] = OrderedDict(state_dict)
-    for key in registrations:
-        value = out.get(key)
-        if isinstance(value, torch.Tensor):
-            out[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata  # type: ignore[attr-defined]
-    return out
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype) -> "LoadSink":
+        return torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"), False)
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.loaded = None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.copy_ and isinstance(args[0], LoadSink):
+            args[0].loaded = args[1]
+            return args[0]
+        descriptor = getattr(getattr(func, "__self__", None), "__name__", None)
+        if getattr(func, "__name__", "") == "__get__" and descriptor == "is_meta":
+            return False  # a stand-in, not an empty parameter (torch would warn the copy is a no-op)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:

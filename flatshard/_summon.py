@@ -17,12 +17,12 @@ evaluation and generation work on the full model.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ._collectives import all_gather_object
+from ._collectives import all_gather_object, fingerprint
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
 from ._unit import Unit
@@ -76,7 +76,13 @@ def summon_full_params(
     check_idle(units, "summon_full_params")
     handles = [h for unit in units for h in unit.handles]
     if with_grads:
-        _check_grads_agree(units)
+        _check_grads_usable(handles)
+    if units:
+        flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
+        items = [flags] + [f"unit {display_name(u.name)}" for u in units]
+        if with_grads:
+            items += [f"{'a' if h.flat_param.grad is not None else 'no'} gradient for unit {display_name(u.name)}" for u in units for h in u.handles]
+        check_ranks_agree(units[0], items, "summon_full_params")
     for unit in units:
         unit.move((_IDLE,), _SUMMON)
     gathered_before = {h: h.state is not HandleState.SHARDED for h in handles}
@@ -102,9 +108,7 @@ def summon_full_params(
                 yield
             finally:
                 if writeback:
-                    for unit in units:
-                        for handle in unit.handles:
-                            _write_back(unit, handle, values[handle], aliased[handle])
+                    _write_back_all(units, values, aliased)
     finally:
         _empty_summoned(values)
         for handle in handles:
@@ -136,12 +140,45 @@ def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, ga
     return params, tensors is views
 
 
-def _write_back(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter], aliased: bool) -> None:
-    """Copy the (possibly changed or replaced) summoned parameters into the shard."""
+def _write_back_all(units: Sequence[Unit], values: Dict[FlatParamHandle, List[nn.Parameter]], aliased: Dict[FlatParamHandle, bool]) -> None:
+    """Check every replaced parameter on every rank first, then write all back: either every
+    shard is updated or, with an error on every rank, none."""
+    replaced: Dict[FlatParamHandle, Dict[int, torch.Tensor]] = {}
+    error: Optional[ValueError] = None
+    try:
+        for unit in units:
+            for handle in unit.handles:
+                replaced[handle] = _replacements(unit, handle, values[handle], aliased[handle])
+    except ValueError as exc:
+        error = exc
+    if units and units[0].world_size > 1:
+        failed = units[0].comm.gather_ints(int(error is not None), units[0].device)
+        if error is None and any(failed):
+            raise RuntimeError(
+                f"[rank {units[0].rank}] summon_full_params: nothing was written back, because rank "
+                f"{failed.index(1)} could not write back a replaced parameter (see its error)"
+            )
+    if error is not None:
+        raise error
+    for handle, changed in replaced.items():
+        if aliased[handle]:
+            handle.shard_from_full()
+        else:
+            for index, param in enumerate(values[handle]):
+                handle.load_param(index, param)
+        for index, value in changed.items():
+            handle.load_param(index, value)
+
+
+def _replacements(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter], aliased: bool) -> Dict[int, torch.Tensor]:
+    """The parameters of ``handle`` the user replaced (``module.weight = ...`` or
+    ``weight.data = ...``), by index; an error for one that cannot be written back."""
     replaced: Dict[int, torch.Tensor] = {}
     for module, attr, index in handle.slots():
         now = module._parameters.get(attr)
         if now is params[index]:
+            if aliased and not handle.aliases(now):
+                replaced.setdefault(index, now)  # its .data was replaced
             continue
         name = join_name(unit.name, handle.param_infos[index].name)
         expected = tuple(params[index].shape)
@@ -152,35 +189,33 @@ def _write_back(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter],
                 f"only a tensor of its shape {expected} can be written back to the shards"
             )
         replaced[index] = now
-    if aliased:
-        handle.shard_from_full()
-        for index, param in enumerate(params):
-            if not handle.aliases(param):  # its .data was replaced
-                replaced.setdefault(index, param)
-    else:
-        for index, param in enumerate(params):
-            handle.load_param(index, param)
-    for index, value in replaced.items():
-        handle.load_param(index, value)
+    return replaced
 
 
-def _check_grads_agree(units: Sequence[Unit]) -> None:
-    """``with_grads`` gathers each gradient; the ranks must agree on which exist, else the
-    all-gathers would not match."""
-    mine = [h.flat_param.grad is not None for unit in units for h in unit.handles]
-    if not units or units[0].world_size == 1:
+def _check_grads_usable(handles: Sequence[FlatParamHandle]) -> None:
+    for handle in handles:
+        if handle.holds_no_sync_grad():
+            raise RuntimeError(
+                "summon_full_params(with_grads=True) after a backward under no_sync(): the gradients are "
+                "not averaged over the ranks yet; run a backward outside no_sync() first"
+            )
+
+
+def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
+    """Raise on every rank unless every rank passed the same ``items`` (one small all-gather;
+    a collective that only some ranks enter would hang), naming the first difference."""
+    if unit.world_size == 1:
         return
-    code = sum(1 << i for i, has in enumerate(mine) if has) if len(mine) < 62 else hash(tuple(mine)) & (2**62 - 1)
-    everyone = units[0].comm.gather_ints(code, units[0].device)
+    everyone = unit.comm.gather_ints(fingerprint("\n".join(items)), unit.device)
     if len(set(everyone)) == 1:
         return
-    per_rank: List[List[bool]] = all_gather_object(mine, units[0].group)
-    names = [display_name(unit.name) for unit in units for _ in unit.handles]
-    first = next(i for i in range(len(mine)) if len({flags[i] for flags in per_rank}) > 1)
-    have = [r for r, flags in enumerate(per_rank) if flags[first]]
+    per_rank = all_gather_object(list(items), unit.group)
+    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
+    first = next(i for i in range(max(len(per_rank[0]), len(per_rank[other]))) if per_rank[0][i : i + 1] != per_rank[other][i : i + 1])
+    mine, theirs = (per_rank[r][first] if first < len(per_rank[r]) else "nothing" for r in (0, other))
     raise RuntimeError(
-        f"[rank {units[0].rank}] summon_full_params(with_grads=True): the ranks disagree on whether unit "
-        f"{names[first]} has gradients (ranks {have} have them); run backward on every rank first"
+        f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
+        f"{mine}, rank {other} has {theirs}"
     )
 
 

@@ -165,6 +165,8 @@ class FlatParamHandle:
         # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
         # backward. See [Note: no_sync and zero_grad].
         self._held_grad: Optional[Tuple["weakref.ref[torch.Tensor]", int]] = None
+        # NO_SHARD: whether .grad holds a no_sync gradient not yet averaged over the ranks.
+        self._local_grad = False
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
         self._reduction: Optional[Pending] = None  # the gradient reduction in flight
         self.state = HandleState.UNSHARDED
@@ -291,7 +293,7 @@ class FlatParamHandle:
         device): this rank's part of it in the shard, and the full flat tensor if gathered."""
         info = self.param_infos[index]
         if tuple(value.shape) != tuple(info.shape):
-            raise AssertionError(f"[rank {self.rank}] {info.name}: value of shape {tuple(value.shape)}, expected {tuple(info.shape)}")
+            raise ValueError(f"[rank {self.rank}] parameter '{info.name}': cannot load a value of shape {tuple(value.shape)}; it has shape {tuple(info.shape)}")
         flat = value.detach().reshape(-1)
         self.wait()
         with torch.no_grad():
@@ -320,7 +322,7 @@ class FlatParamHandle:
         ``None`` without one. Collective when sharded; every rank must agree on ``None``."""
         grad = self.flat_param.grad
         if grad is None or not self.sharded:
-            return grad
+            return None if grad is None else grad.detach().clone()
         full = torch.empty(self.padded_numel, dtype=grad.dtype, device=grad.device)
         self.comm.all_gather(full, grad.detach().contiguous())
         return full
@@ -350,6 +352,10 @@ class FlatParamHandle:
         """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
         return self.sharded and self._full.grad is not None
 
+    def holds_no_sync_grad(self) -> bool:
+        """Whether the gradient includes a ``no_sync`` backward not yet averaged over the ranks."""
+        return self.has_unreduced_grad() or self._local_grad
+
     def reduce_grad(self, async_op: bool = False) -> bool:
         """Start averaging the accumulated full gradient over the ranks into
         ``flat_param.grad``; ``finish_reduction()`` completes it (at once without
@@ -360,6 +366,7 @@ class FlatParamHandle:
         ``NO_SHARD`` the full gradient *is* ``flat_param.grad``, all-reduced in place.
         """
         self._held_grad = None
+        self._local_grad = False
         full_grad = self._full.grad
         if full_grad is None:
             return False
@@ -402,7 +409,10 @@ class FlatParamHandle:
         ``.grad`` and unmodified; if not, the user zeroed the gradients and the held gradient
         is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself.)
         """
-        if not self.sharded or self._full.grad is None:
+        if not self.sharded:
+            self._local_grad = self.flat_param.grad is not None
+            return
+        if self._full.grad is None:
             return
         if self.flat_param.grad is None:
             self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
@@ -458,10 +468,14 @@ def _layout(params: Sequence[OrigParam]) -> _Layout:
 
 
 def _param_order(params: Sequence[OrigParam]) -> List[Tuple[nn.Module, Tuple[str, ...]]]:
+    """Each module's parameter names now, FlatParameters left out: a module flattened by
+    several handles is recorded by each, and the first recording (made before anything of
+    the module was flattened) is then the longest."""
     seen: Dict[int, Tuple[nn.Module, Tuple[str, ...]]] = {}
     for p in params:
         if id(p.module) not in seen:
-            seen[id(p.module)] = (p.module, tuple(p.module._parameters))
+            names = tuple(n for n, q in p.module._parameters.items() if not isinstance(q, FlatParameter))
+            seen[id(p.module)] = (p.module, names)
     return list(seen.values())
 
 

@@ -14,7 +14,15 @@ from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, dis
 from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
-from ._state_dict import get_settings, load_model_state, make_settings, model_state, set_settings
+from ._state_dict import (
+    get_settings,
+    load_model_state,
+    make_settings,
+    model_state,
+    restore_settings,
+    set_settings,
+    snapshot_settings,
+)
 from ._summon import forward_while_summoned, summon_full_params
 from ._unit import lazy_init
 from .api import (
@@ -270,13 +278,12 @@ class ShardedDataParallel(nn.Module):
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> Iterator[None]:
         """``set_state_dict_type`` for the length of a ``with`` block (same arguments)."""
-        previous = ShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = snapshot_settings(module, _is_wrapper)
+        ShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
         finally:
-            ShardedDataParallel.set_state_dict_type(
-                module, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config
-            )
+            restore_settings(previous)  # each unit's own
 
     def state_dict(  # type: ignore[override]
         self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False

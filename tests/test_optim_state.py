@@ -17,6 +17,7 @@ import torch.distributed.fsdp as torch_fsdp
 from expecttest import TestCase
 
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
+from tests._memory import track_allocations
 from tests._models import Block, batch, build, lm_loss
 
 GLOBAL_ROWS = 12
@@ -278,6 +279,20 @@ def _fsdp1_interchange(rank, world_size):
     return results
 
 
+def _memory(rank, world_size):
+    """Peak bytes while building a rank-0-only full optimizer state dict (Adam: two positional
+    states per FlatParameter), the output's bytes, and one unit's full optimizer state."""
+    model = _wrapped()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _step(model, optim, 0, rank, world_size)
+    units = ShardedDataParallel.fsdp_modules(model)
+    largest = max(sum(2 * h.padded_numel * h.flat_param.element_size() for h in unit.handles) for unit in units)
+    with track_allocations() as tracker:
+        osd = ShardedDataParallel.full_optim_state_dict(model, optim)
+        output = sum(v.untyped_storage().nbytes() for state in osd.get("state", {}).values() for v in state.values())
+    return tracker.peak_bytes, output, largest
+
+
 class OptimStateTest(TestCase):
     def setUp(self):
         self.directory = tempfile.mkdtemp(prefix="flatshard-optim-")
@@ -299,6 +314,13 @@ class OptimStateTest(TestCase):
     def test_fsdp1_full_optimizer_state_dicts_interchange(self):
         results = self.pool.run(_fsdp1_interchange, 2)
         self.assertEqual(results[0], ["fsdp1: 21 parameters with state", "flatshard: 21 parameters with state"])
+
+    def test_rank0_full_dict_holds_at_most_one_units_state_beyond_the_output(self):
+        (peak0, output0, largest), (peak1, output1, _) = self.pool.run(_memory, 2)
+        self.assertEqual(output1, 0)
+        self.assertGreater(output0, largest)
+        self.assertLessEqual(peak0, output0 + largest)
+        self.assertLessEqual(peak1, largest)
 
     def test_errors_name_the_parameters(self):
         messages = self.pool.run(_errors, 2)[0]

@@ -354,6 +354,87 @@ class MemoryTest(TestCase):
         self.assertLessEqual(peak1, unit)
 
 
+class _TiedToOwnUnit(nn.Module):
+    """The head is its own unit (auto-wrapped) but its weight is tied to the embedding, so the
+    root flattens the tie while the head's unit flattens its bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+
+class _OldFormat(nn.Module):
+    """Accepts an old checkpoint format through a load pre-hook (the weight stored transposed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.lin._register_load_state_dict_pre_hook(self._convert)
+
+    @staticmethod
+    def _convert(state_dict, prefix, *args):
+        if prefix + "w_t" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w_t").t()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _unusual_models(rank, world_size):
+    torch.manual_seed(0)
+    plain = _TiedToOwnUnit()
+    torch.manual_seed(1)
+    model = ShardedDataParallel(_TiedToOwnUnit(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    keys = list(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+    tokens = torch.tensor([[1, 2, 3]])
+    with ShardedDataParallel.summon_full_params(model), torch.no_grad():
+        torch.testing.assert_close(model(tokens), plain(tokens), rtol=0, atol=0)
+    old = ShardedDataParallel(_OldFormat())
+    old.load_state_dict({"lin.w_t": torch.full((3, 4), 7.0), "lin.bias": torch.ones(4)})
+    loaded = old.state_dict()
+    return keys, list(plain.state_dict()), loaded["lin.weight"].unique().tolist(), loaded["lin.bias"].tolist()
+
+
+def _mixed_settings(rank, world_size):
+    model = _model("nested")
+    ShardedDataParallel.set_state_dict_type(model.blocks[0], LOCAL)
+    with ShardedDataParallel.state_dict_type(model, SHARDED):
+        inside = {m._unit.state_dict_settings.state_dict_type.name for m in ShardedDataParallel.fsdp_modules(model)}
+    after = [m._unit.state_dict_settings.state_dict_type.name for m in ShardedDataParallel.fsdp_modules(model)]
+    ShardedDataParallel.set_state_dict_type(model, FULL if rank == 0 else SHARDED)
+    try:
+        model.state_dict()
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    return inside, after, error
+
+
+class UnusualModelsTest(TestCase):
+    def test_a_tie_into_a_unit_keeps_that_units_other_parameters_and_load_hooks_apply(self):
+        keys, plain_keys, weight_values, bias = self.pool.run(_unusual_models, 2)[0]
+        self.assertEqual(keys, plain_keys)
+        self.assertEqual((weight_values, bias), ([7.0], [1.0] * 4))
+
+    def test_settings_restore_per_unit_and_ranks_with_different_types_fail(self):
+        for rank, (inside, after, error) in enumerate(self.pool.run(_mixed_settings, 2)):
+            self.assertEqual(inside, {"SHARDED_STATE_DICT"})
+            self.assertEqual(after, ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "FULL_STATE_DICT", "FULL_STATE_DICT"])
+            self.assertEqual(
+                error,
+                f"[rank {rank}] state_dict() is collective, but the ranks called it differently: rank 0 has "
+                "StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=False), "
+                "rank 1 has StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=False, _use_dtensor=False)",
+            )
+
+
 class MidIterationTest(TestCase):
     def test_state_dict_between_forward_and_backward_and_of_a_nested_unit(self):
         keys, types, requires_grad = self.pool.run(_mid_iteration_and_parts, 2)[0]

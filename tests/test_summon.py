@@ -317,19 +317,16 @@ class GradsTest(TestCase):
         self.pool.run(_grads, 4, ["SHARD_GRAD_OP", "FULL_SHARD"])
 
     def test_ranks_disagreeing_on_gradients_raise(self):
-        # BUG: _check_grads_agree encodes the flags as sum(1 << i for i, has in enumerate(mine)),
-        # ignoring `has`: every rank sends 2**n - 1, the disagreement is never seen, and the
-        # ranks' gradient all-gathers mismatch (a gloo error on one rank, no error on the other).
         for rank, (one_unit, root) in enumerate(self.pool.run(_grads_disagree, 2)):
             self.assertEqual(
                 one_unit,
-                f"[rank {rank}] summon_full_params(with_grads=True): the ranks disagree on whether unit "
-                "'blocks.1' has gradients (ranks [0] have them); run backward on every rank first",
+                f"[rank {rank}] summon_full_params is collective, but the ranks called it differently: rank 0 has "
+                "a gradient for unit 'blocks.1', rank 1 has no gradient for unit 'blocks.1'",
             )
             self.assertEqual(
                 root,
-                f"[rank {rank}] summon_full_params(with_grads=True): the ranks disagree on whether unit "
-                "the root module has gradients (ranks [1] have them); run backward on every rank first",
+                f"[rank {rank}] summon_full_params is collective, but the ranks called it differently: rank 0 has "
+                "no gradient for unit the root module, rank 1 has a gradient for unit the root module",
             )
 
 
@@ -498,4 +495,61 @@ with_grads: summon_full_params: with_grads must be a bool; got 1.0
 nested: [rank 1] unit the root module: summon_full_params cannot be used inside summon_full_params (the unit's full parameters are already summoned)
 nested_inner: [rank 1] unit 'blocks.1': summon_full_params cannot be used inside summon_full_params (the unit's full parameters are already summoned)
 during_forward: [rank 1] unit the root module: summon_full_params cannot be used while the unit is in FORWARD (during forward or backward); call it between iterations""",
+        )
+
+
+# -- review regressions --------------------------------------------------------------------------
+
+
+def _lifetimes(rank, world_size):
+    """A parameter kept past the context is emptied (not a view of freed memory); NO_SHARD
+    gradients handed out are copies; with_grads after no_sync is refused; a write-back that
+    fails on one rank writes nothing on any rank."""
+    out = {}
+    model = _model()
+    with summon(model):
+        kept = model.module.blocks[0].fc1.weight
+    out["kept"] = tuple(kept.shape)
+    model = _model("NO_SHARD")
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    lm_loss(model(tokens), targets).backward()
+    before = model.blocks[0].module._flat_param.grad.clone()
+    with summon(model, with_grads=True):
+        model.module.blocks[0].fc1.weight.grad.fill_(100.0)
+    out["grad_untouched"] = torch.equal(model.blocks[0].module._flat_param.grad, before)
+    with model.no_sync():
+        lm_loss(model(tokens), targets).backward()
+    out["no_sync"] = _message(lambda: _enter(model, with_grads=True), RuntimeError)
+    model, reference = _model(), build()
+
+    def change():
+        with summon(model):
+            with torch.no_grad():
+                model.module.blocks[0].fc1.weight.fill_(2.0)
+            if rank == 1:
+                model.module.blocks[2].fc1.bias = nn.Parameter(torch.zeros(3))
+
+    out["partial"] = _message(change, (ValueError, RuntimeError))
+    _assert_unchanged(model, reference, "after a failed write-back")
+    return out
+
+
+class ReviewRegressionsTest(TestCase):
+    def test_lifetimes_gradient_copies_and_all_or_nothing_write_back(self):
+        first, second = self.pool.run(_lifetimes, 2)
+        self.assertEqual((first["kept"], first["grad_untouched"]), ((0,), True))
+        self.assertEqual(
+            first["no_sync"],
+            "summon_full_params(with_grads=True) after a backward under no_sync(): the gradients are not averaged "
+            "over the ranks yet; run a backward outside no_sync() first",
+        )
+        self.assertEqual(
+            first["partial"],
+            "[rank 0] summon_full_params: nothing was written back, because rank 1 could not write back a replaced "
+            "parameter (see its error)",
+        )
+        self.assertEqual(
+            second["partial"],
+            "summon_full_params(writeback=True): parameter 'blocks.2.fc1.bias' was replaced by shape (3,); only a "
+            "tensor of its shape (16,) can be written back to the shards",
         )
