@@ -21,6 +21,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from . import comm_hooks
 from .flat_param import FlatParameter, FlatParamHandle
 from .plan import Plan, plan
 from .sharded_data_parallel import ShardedDataParallel
@@ -42,6 +43,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "ShardedDataParallel",
+    "comm_hooks",
     "FullyShardedDataParallel",
     "FlatParameter",
     "FlatParamHandle",

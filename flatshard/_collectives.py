@@ -105,7 +105,17 @@ class Communicator:
 
     def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Pending:
         """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks."""
+        return self._reduce_scatter(output, full, self.world_size, async_op)
+
+    def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """Set ``output`` to this rank's chunk of the sum of ``full`` over the ranks."""
+        self._reduce_scatter(output, full, 1, async_op=False)
+
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool) -> Pending:
         world = self.world_size
+        if world == 1:
+            output.copy_(full)
+            return Pending(None)
         if self.gloo:
             received = torch.empty_like(full)
             work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
@@ -115,16 +125,25 @@ class Communicator:
                 torch.add(chunks[0], chunks[1], out=output)
                 for chunk in chunks[2:]:
                     output.add_(chunk)
-                output.div_(world)
+                if divisor != 1:
+                    output.div_(divisor)
 
             return _maybe_wait(Pending(work, finish), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, lambda: output.div_(world)), async_op)
+        return _maybe_wait(Pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size)), async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """Replace ``tensor`` in place by its elementwise ``"sum"`` or ``"max"`` over the ranks."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"all_reduce: op must be 'sum' or 'max'; got {op!r}")
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=ops[op], group=self.group)
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> None:
         """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""

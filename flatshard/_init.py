@@ -8,6 +8,7 @@ Errors name parameters and modules relative to the module being wrapped.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Set, Tuple, Type
 
 import torch
@@ -28,7 +29,7 @@ from ._materialize import has_meta, materialize
 from ._runtime import register_hooks
 from ._unit import Unit, UnitConfig
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParameter, FlatParamHandle, OrigParam
+from .flat_param import FlatParameter, FlatParamHandle, OrigParam, Precision
 
 _Buffers = List[Tuple[str, nn.Module, str, torch.Tensor]]  # (name, module, attribute, buffer)
 
@@ -91,7 +92,7 @@ def build_unit(
         raise AssertionError("auto_wrap_policy must be planned before building a unit")
     config = check_options(options)
     require_initialized()
-    group = _resolve_group(options["process_group"], options["device_mesh"])
+    group, replicate_group = _resolve_groups(config.sharding_strategy, options["process_group"], options["device_mesh"])
     ignored = resolve_ignored(module, options["ignored_modules"], options["ignored_states"], wrapper_cls)
     found, buffers, nested, modules = collect(module, wrapper_cls, ignored)
     _check_ignored_not_meta(ignored)
@@ -105,19 +106,54 @@ def build_unit(
     _move_buffers(device, buffers)
     if options["sync_module_states"]:
         _check_same_on_all_ranks(params, buffers, group, device, name)
-        comm = Communicator(group)
+        comms = ([Communicator(replicate_group)] if replicate_group is not None else []) + [Communicator(group)]
         for _, _, _, buf in buffers:
-            comm.broadcast_from_first(buf)
+            for comm in comms:  # (hybrid: across the replicas, then within the shard group)
+                comm.broadcast_from_first(buf)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
+    if config.offload_params and not sharded and device.type != "cpu":
+        raise NotImplementedError("cpu_offload=CPUOffload(offload_params=True) with sharding_strategy=NO_SHARD on a non-CPU device is not supported")
+    config, precision = _precision(config, module)
     handles = [
-        FlatParamHandle(members, module, device, group, sharded, _attr_name(i), options["sync_module_states"])
+        FlatParamHandle(
+            members, module, device, group, sharded, _attr_name(i), options["sync_module_states"], replicate_group,
+            config.offload_params, precision,
+        )
         for i, members in enumerate(group_params(params))
     ]
     unit = Unit(handles, config, group, device)
-    unit.device_mesh = options["device_mesh"]
+    unit.cast_buffers = _cast_buffers(config, buffers)
+    unit.replicate_group = replicate_group
+    mesh = options["device_mesh"]
+    unit.device_mesh = mesh if mesh is not None and mesh.ndim == 1 else None
     register_hooks(unit)
     unit.adopt(nested)
     return unit
+
+
+def _precision(config: UnitConfig, module: nn.Module) -> Tuple[UnitConfig, Optional[Precision]]:
+    """The unit's mixed precision: none for modules MixedPrecision keeps in full precision
+    (BatchNorm), which compute in their parameters' dtype instead."""
+    mp = config.mixed_precision
+    if mp is None or mp.param_dtype is None and mp.reduce_dtype is None:
+        return config, None
+    if mp.param_dtype is not None and isinstance(module, tuple(mp._module_classes_to_ignore)):
+        return dataclasses.replace(config, full_precision=True), None
+    return config, Precision(mp.param_dtype, mp.reduce_dtype, mp.keep_low_precision_grads)
+
+
+def _cast_buffers(config: UnitConfig, buffers: _Buffers) -> List[Tuple[nn.Module, str, torch.dtype]]:
+    """Cast the unit's floating-point buffers to MixedPrecision.buffer_dtype, in place."""
+    mp = config.mixed_precision
+    if mp is None or mp.buffer_dtype is None or config.full_precision:
+        return []
+    cast = []
+    for _, module, attr, _ in buffers:
+        buf = module._buffers[attr]  # (as moved to the device)
+        if buf is not None and buf.is_floating_point() and buf.dtype != mp.buffer_dtype:
+            module._buffers[attr] = buf.to(mp.buffer_dtype)
+            cast.append((module, attr, buf.dtype))
+    return cast
 
 
 def _attr_name(index: int) -> str:
@@ -160,17 +196,18 @@ def check_options(o: Dict[str, Any]) -> UnitConfig:
     """The unit's runtime options, after checking every constructor argument."""
     strategy = coerce_enum(o["sharding_strategy"], ShardingStrategy, "sharding_strategy", allow_none=True)
     strategy = strategy or ShardingStrategy.FULL_SHARD
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise NotImplementedError(f"sharding_strategy=ShardingStrategy.{strategy.name} {_LATER}")
-    if isinstance(o["process_group"], tuple):
-        raise NotImplementedError(f"process_group as a (shard group, replicate group) pair (hybrid sharding) {_LATER}")
+    _check_hybrid_groups(strategy, o["process_group"], o["device_mesh"])
     offload = coerce_config(o["cpu_offload"], CPUOffload, "cpu_offload")
-    if offload is not None and offload.offload_params:
-        raise NotImplementedError(f"cpu_offload=CPUOffload(offload_params=True) {_LATER}")
+    offload_params = offload is not None and offload.offload_params
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"cpu_offload.offload_params must be a bool; got {offload_params!r}")
     prefetch = coerce_enum(o["backward_prefetch"], BackwardPrefetch, "backward_prefetch", allow_none=True)
     mp = coerce_config(o["mixed_precision"], MixedPrecision, "mixed_precision")
-    if mp is not None and (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) != (None, None, None):
-        raise NotImplementedError(f"mixed_precision {_LATER}")
+    if mp is not None:
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            dtype = getattr(mp, field)
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"mixed_precision.{field} must be a floating-point torch.dtype or None; got {dtype!r}")
     if o["param_init_fn"] is not None and not callable(o["param_init_fn"]):
         raise TypeError(f"param_init_fn must be callable; got {o['param_init_fn']!r}")
     for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
@@ -178,17 +215,50 @@ def check_options(o: Dict[str, Any]) -> UnitConfig:
             raise TypeError(f"{name} must be a bool; got {o[name]!r}")
     if o["use_orig_params"]:
         raise NotImplementedError(f"use_orig_params=True {_LATER}")
-    return UnitConfig(strategy, prefetch, o["forward_prefetch"], o["limit_all_gathers"])
+    return UnitConfig(strategy, prefetch, o["forward_prefetch"], o["limit_all_gathers"], offload_params, mp)
 
 
-def _resolve_group(process_group: Optional[ProcessGroup], device_mesh: Any) -> ProcessGroup:
-    if device_mesh is None:
-        return process_group if process_group is not None else default_group()
-    if process_group is not None:
-        raise ValueError("pass either process_group or device_mesh, not both")
-    if device_mesh.ndim != 1:
-        raise NotImplementedError(f"a {device_mesh.ndim}-D device_mesh (hybrid sharding) {_LATER}; pass a 1-D mesh")
-    return device_mesh.get_group()
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def _check_hybrid_groups(strategy: ShardingStrategy, process_group: Any, device_mesh: Any) -> None:
+    """Hybrid sharding needs two groups (a pair or a 2-D mesh); the others need one."""
+    hybrid = strategy in HYBRID
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("pass either process_group or device_mesh, not both")
+        if hybrid and device_mesh.ndim != 2:
+            raise ValueError(
+                f"sharding_strategy=ShardingStrategy.{strategy.name} needs a 2-D device_mesh (replicate, shard); "
+                f"got a {device_mesh.ndim}-D one"
+            )
+        if not hybrid and device_mesh.ndim != 1:
+            raise ValueError(
+                f"a {device_mesh.ndim}-D device_mesh is for hybrid sharding (sharding_strategy=HYBRID_SHARD or "
+                f"_HYBRID_SHARD_ZERO2); pass a 1-D mesh"
+            )
+    elif hybrid:
+        if not (isinstance(process_group, tuple) and len(process_group) == 2 and all(g is not None for g in process_group)):
+            raise ValueError(
+                f"sharding_strategy=ShardingStrategy.{strategy.name} needs process_group=(shard_group, "
+                f"replicate_group) or a 2-D device_mesh (replicate, shard); got process_group={process_group!r}"
+            )
+    elif isinstance(process_group, tuple):
+        raise ValueError(
+            "process_group as a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD or "
+            "_HYBRID_SHARD_ZERO2"
+        )
+
+
+def _resolve_groups(strategy: ShardingStrategy, process_group: Any, device_mesh: Any) -> Tuple[ProcessGroup, Optional[ProcessGroup]]:
+    """(the group to shard over, the group of replicas to average over under hybrid sharding);
+    the arguments are checked already (``_check_hybrid_groups``)."""
+    hybrid = strategy in HYBRID
+    if device_mesh is not None:
+        return (device_mesh.get_group(1), device_mesh.get_group(0)) if hybrid else (device_mesh.get_group(), None)
+    if hybrid:
+        return process_group[0], process_group[1]
+    return (process_group if process_group is not None else default_group()), None
 
 
 # -- parameters ---------------------------------------------------------------------------

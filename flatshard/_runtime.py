@@ -68,6 +68,7 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
         _root_pre_forward(ctx)
         if unit.device.type != "cpu":
             args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
+    args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
     _pre_forward(unit, ctx, (args, kwargs))
     try:
         output = module(*args, **kwargs)
@@ -75,10 +76,31 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
         if unit.training_state is _FORWARD:
             unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
         raise
+    if input_dtype is not None:  # a full-precision unit hands back the dtype it was given
+        output = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, output)
     _post_forward(unit, ctx, output)
     if unit.is_root:
         _root_post_forward(ctx)
     return output
+
+
+def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[torch.dtype]]:
+    """Mixed precision: cast floating-point inputs to ``param_dtype`` (at the root with
+    ``cast_root_forward_inputs``, at every unit with ``cast_forward_inputs``); a unit kept in
+    full precision (BatchNorm) casts them to its parameters' dtype and returns the dtype its
+    outputs go back to."""
+    mp = unit.config.mixed_precision
+    if mp is None or mp.param_dtype is None:
+        return args, kwargs, None
+    if unit.config.full_precision:
+        target = unit.handles[0].dtype if unit.handles else torch.float32
+        given = next((t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()), None)
+    elif mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs):
+        target, given = mp.param_dtype, None
+    else:
+        return args, kwargs, None
+    args, kwargs = map_tensors(lambda t: t.to(target) if t.is_floating_point() else t, (args, kwargs))
+    return args, kwargs, given if given != target else None
 
 
 def _root_pre_forward(ctx: RootContext) -> None:
@@ -136,7 +158,7 @@ def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
         _free(unit)  # nothing in a backward can need these parameters
     elif (
         grad_outputs
-        and unit.config.sharding_strategy is ShardingStrategy.FULL_SHARD
+        and unit.config.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         and not unit.is_root
         and not any(h.aliases(t) for h in unit.handles for t in iter_tensors(output))
     ):

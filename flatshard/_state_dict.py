@@ -157,6 +157,7 @@ def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefi
         values = {h: [nn.Parameter(v, requires_grad=h.requires_grad) for v in vs] for h, vs in values.items()}
     with plain_view(wrapper, handles, values, is_wrapper) as inner:
         out = inner.state_dict(prefix=prefix, keep_vars=keep_vars)
+        _uncast_buffers(out, inner, units, prefix)
     if config.offload_to_cpu:
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and value.device.type != "cpu" and not _is_dtensor(value):
@@ -172,9 +173,24 @@ def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefi
     return destination
 
 
+def _uncast_buffers(out: Dict[str, Any], inner: nn.Module, units: Sequence[Unit], prefix: str) -> None:
+    """Buffers cast to MixedPrecision.buffer_dtype go out in their original dtype."""
+    original = {(id(module), name): dtype for unit in units for module, name, dtype in unit.cast_buffers}
+    if not original:
+        return
+    for path, module in inner.named_modules(remove_duplicate=False):
+        for name in module._buffers:
+            key = prefix + join_name(path, name)
+            dtype = original.get((id(module), name))
+            if dtype is not None and key in out:
+                out[key] = out[key].to(dtype)
+
+
 def _gathered(handle: FlatParamHandle) -> Tuple[List[torch.Tensor], bool]:
     """Gather ``handle`` if needed: (its full per-parameter views, whether it was gathered
     already and so must stay so)."""
+    if handle.compute_dtype != handle.dtype:  # mixed precision: gather the parameters' own dtype
+        return handle.split_full(handle.gather_full_precision()), True
     before = handle.state is not HandleState.SHARDED
     handle.unshard()
     return handle.full_views(), before

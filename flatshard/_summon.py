@@ -91,7 +91,6 @@ def summon_full_params(
     try:
         keep = {h: not rank0_only or h.rank == 0 for h in handles}
         for handle in handles:
-            handle.unshard()
             params, aliased[handle] = _summoned_params(handle, writeback, offload_to_cpu, gathered_before[handle])
             grads = handle.gather_grad() if with_grads else None
             if not keep[handle]:
@@ -130,6 +129,11 @@ def _empty_summoned(values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:
 
 def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, gathered_before: bool) -> Tuple[List[nn.Parameter], bool]:
     """The parameters to install, and whether they alias the full flat tensor."""
+    if handle.compute_dtype != handle.dtype:  # mixed precision: the parameters' own dtype, apart
+        tensors = handle.split_full(handle.gather_full_precision())
+        params = [nn.Parameter(t.cpu() if offload else t, requires_grad=handle.requires_grad) for t in tensors]
+        return params, False
+    handle.unshard()
     views = handle.full_views()
     tensors = views
     if offload and handle.device.type != "cpu":

@@ -20,6 +20,7 @@ from .api import (
     BackwardPrefetch,
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    MixedPrecision,
     ShardingStrategy,
     StateDictSettings,
     StateDictType,
@@ -35,6 +36,11 @@ class UnitConfig:
     backward_prefetch: Optional[BackwardPrefetch]
     forward_prefetch: bool
     limit_all_gathers: bool
+    offload_params: bool = False
+    mixed_precision: Optional[MixedPrecision] = None
+    # A module class MixedPrecision keeps in full precision (BatchNorm): the unit computes in
+    # its parameters' dtype, casting its inputs to it and its outputs back.
+    full_precision: bool = False
 
     def describe(self) -> str:
         prefetch = self.backward_prefetch.name if self.backward_prefetch else "None"
@@ -87,6 +93,11 @@ class Unit:
         # The 1-D DeviceMesh of ``group`` that sharded state dicts put their DTensors on: the
         # user's device_mesh, else made on first use.
         self.device_mesh: Optional[object] = None
+        # Hybrid sharding: the ranks holding the same shards as this one (gradients averaged).
+        self.replicate_group: Optional[ProcessGroup] = None
+        # Buffers cast to MixedPrecision.buffer_dtype: (module, name, original dtype), for
+        # state dicts, which give them in their original dtype.
+        self.cast_buffers: List[Tuple[object, str, torch.dtype]] = []
 
     @property
     def group(self) -> ProcessGroup:
@@ -167,6 +178,12 @@ def _describe(unit: Unit) -> str:
 def _check_ranks_agree(ctx: RootContext) -> None:
     root = ctx.root
     descriptions = [_describe(unit) for unit in ctx.units]
+    replicas = root.replicate_group
+    if replicas is not None and not all_ranks_agree("\n".join(descriptions), replicas, root.device):
+        raise ValueError(
+            f"[rank {root.rank}] the replicas of a hybrid-sharded model wrapped different models (every rank "
+            f"must build the same units with the same parameters, shapes, dtypes and options)"
+        )
     if all_ranks_agree("\n".join(descriptions), root.group, root.device):
         return
     per_rank: List[List[str]] = all_gather_object(descriptions, root.group)

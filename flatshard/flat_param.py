@@ -19,7 +19,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
 from ._placeholder import ParamPlaceholder
 
-__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam"]
+__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam", "Precision"]
 
 
 class FlatParameter(nn.Parameter):
@@ -85,6 +85,25 @@ class ShardParamInfo:
     numel: int
 
 
+@dataclass(frozen=True)
+class Precision:
+    """A handle's mixed precision (see [Note: mixed precision]); ``None``: the parameters' dtype.
+
+    [Note: mixed precision] The ``FlatParameter`` (what the optimizer updates) always keeps
+    the parameters' own dtype. Each unshard casts the shard to ``param_dtype`` and gathers
+    it into the full flat tensor, which is then in ``param_dtype``: modules compute in it and
+    autograd produces the unsharded gradient in it. The gradient is cast to ``reduce_dtype``
+    for its reduction, and the reduced shard back to the parameters' dtype (or kept in
+    ``param_dtype`` with ``keep_low_precision_grads``). Without sharding, the full flat
+    tensor is then a cast copy of the ``FlatParameter`` rather than the parameter itself.
+    State dicts and ``summon_full_params`` gather the parameters' own dtype separately.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+
+
 def shard_sizes(numel: int, world_size: int, sharded: bool) -> Tuple[int, int]:
     """(padded numel, shard numel) of a flat tensor of ``numel`` elements: padded to a multiple
     of ``world_size`` and split evenly when sharded (over more than one rank), else whole."""
@@ -123,6 +142,11 @@ class FlatParamHandle:
         attr_name: the name the ``FlatParameter`` is registered under on ``owner``.
         sync_from_first_rank: replace the values by those of the group's first rank before
             sharding (``sync_module_states``).
+        replicate_group: hybrid sharding: the group of the ranks holding the same shard, over
+            which the gradient shards are averaged after the reduce-scatter.
+        offload: keep the shard and its gradient on the CPU (a no-op on CPU devices).
+        precision: mixed precision (see [Note: mixed precision]); ``None``: compute, reduce and
+            keep gradients in the parameters' dtype.
     """
 
     def __init__(
@@ -134,16 +158,31 @@ class FlatParamHandle:
         sharded: bool,
         attr_name: str = FLAT_PARAM,
         sync_from_first_rank: bool = False,
+        replicate_group: Optional[ProcessGroup] = None,
+        offload: bool = False,
+        precision: Optional["Precision"] = None,
     ) -> None:
         if not params:
             raise AssertionError("a FlatParamHandle needs at least one parameter")
         self.comm = Communicator(group)
+        self.replicate = Communicator(replicate_group) if replicate_group is not None else None
+        # Shards on the CPU while computing elsewhere; on a CPU device there is nothing to move.
+        self.offload = offload and device.type != "cpu"
+        # A user's gradient reduction (register_comm_hook): (hook, state).
+        self._comm_hook: Optional[Tuple[Callable[..., Any], Any]] = None
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
         self.sharded = sharded and self.world_size > 1
         self.device = device
         self.dtype = params[0].param.dtype
         self.requires_grad = params[0].param.requires_grad
+        precision = precision or Precision()
+        self.compute_dtype = precision.param_dtype or self.dtype
+        self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
+        self.grad_dtype = self.compute_dtype if precision.keep_low_precision_grads else self.dtype
+        # Whether the full flat tensor is a tensor of its own (sharded, or computing in another
+        # dtype) rather than the FlatParameter itself.
+        self.separate_full = self.sharded or self.compute_dtype != self.dtype
         primaries, self.param_infos, self.shared_param_infos, slots = _layout(params)
         self.numel = sum(info.numel for info in self.param_infos)
         self.padded_numel, self.shard_numel = shard_sizes(self.numel, self.world_size, self.sharded)
@@ -177,7 +216,7 @@ class FlatParamHandle:
             p.module._parameters.pop(p.attr_name, None)
         _empty_originals(primaries)
         owner.register_parameter(attr_name, self.flat_param)
-        if self.sharded:
+        if self.separate_full:
             self.reshard()
         else:
             self.use_views(track_grad=False)
@@ -186,14 +225,19 @@ class FlatParamHandle:
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
         [Note: two tensors per handle])."""
         full = _flatten(params, self.padded_numel, self.device)
-        if sync:
+        if sync:  # (hybrid: first across the replicas, then within each shard group)
+            if self.replicate is not None:
+                self.replicate.broadcast_from_first(full)
             self.comm.broadcast_from_first(full)
         if not self.sharded:
             flat_param = FlatParameter(full, self.requires_grad)
-            return flat_param, flat_param
+            if not self.separate_full:
+                return flat_param, flat_param
+            return flat_param, full.to(self.compute_dtype).requires_grad_(self.requires_grad)
         start = self.rank * self.shard_numel
-        flat_param = FlatParameter(full[start : start + self.shard_numel].clone(), self.requires_grad)
-        return flat_param, full.requires_grad_(self.requires_grad)
+        shard = full[start : start + self.shard_numel]
+        flat_param = FlatParameter(shard.to("cpu", copy=True) if self.offload else shard.clone(), self.requires_grad)
+        return flat_param, full.to(self.compute_dtype).requires_grad_(self.requires_grad)
 
     # -- layout -------------------------------------------------------------------------
 
@@ -227,7 +271,16 @@ class FlatParamHandle:
         if self.state is not HandleState.SHARDED:
             return False
         alloc_storage(self._full_data, self.padded_numel)
-        self._gather = self.comm.all_gather(self._full_data, self.flat_param.detach(), async_op=True)
+        shard = self.flat_param.detach()
+        if self.offload:
+            shard = shard.to(self.device, non_blocking=True)
+        if shard.dtype != self.compute_dtype:
+            shard = shard.to(self.compute_dtype)
+        if self.sharded:
+            self._gather = self.comm.all_gather(self._full_data, shard, async_op=True)
+        else:  # a cast copy (mixed precision without sharding)
+            self._full_data.copy_(shard)
+            self._gather = Pending(None)
         self.state = HandleState.GATHERING
         if not async_op:
             self.wait()
@@ -242,7 +295,7 @@ class FlatParamHandle:
 
     def reshard(self) -> bool:
         """Free the full flat tensor; ``False`` if there is nothing to free (``NO_SHARD``)."""
-        if not self.sharded or self.state is HandleState.SHARDED:
+        if not self.separate_full or self.state is HandleState.SHARDED:
             return False
         self.wait()  # never free memory a collective is still writing
         self.drop_views()
@@ -297,14 +350,13 @@ class FlatParamHandle:
         flat = value.detach().reshape(-1)
         self.wait()
         with torch.no_grad():
-            if self.state is HandleState.UNSHARDED:  # always so under NO_SHARD (shard = full)
+            if self.separate_full and self.state is HandleState.UNSHARDED:
                 self._full_data[info.offset : info.offset + info.numel].copy_(flat)
-            if self.sharded:
-                shard = self.flat_param.detach()
-                for held in self.shard_param_infos:
-                    if held.index == index:
-                        piece = flat[held.param_offset : held.param_offset + held.numel]
-                        shard[held.shard_offset : held.shard_offset + held.numel].copy_(piece)
+            shard = self.flat_param.detach()  # (under NO_SHARD: everything)
+            for held in self.shard_param_infos:
+                if held.index == index:
+                    piece = flat[held.param_offset : held.param_offset + held.numel]
+                    shard[held.shard_offset : held.shard_offset + held.numel].copy_(piece)
 
     def shard_from_full(self) -> None:
         """Copy this rank's range of the gathered full flat tensor into the shard (after the
@@ -317,14 +369,25 @@ class FlatParamHandle:
             with torch.no_grad():
                 self.flat_param.detach().copy_(self._full_data[start : start + self.shard_numel])
 
+    def gather_full_precision(self) -> torch.Tensor:
+        """A new full (padded) flat tensor in the parameters' own dtype, e.g. for state dicts
+        under mixed precision, where the gathered tensor is in the compute dtype.
+        Collective when sharded."""
+        shard = self.flat_param.detach().to(self.device)
+        if not self.sharded:
+            return shard.clone()
+        full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self.comm.all_gather(full, shard.contiguous())
+        return full
+
     def gather_grad(self) -> Optional[torch.Tensor]:
         """The full (padded) flat gradient assembled from every rank's shard gradient, or
         ``None`` without one. Collective when sharded; every rank must agree on ``None``."""
         grad = self.flat_param.grad
         if grad is None or not self.sharded:
             return None if grad is None else grad.detach().clone()
-        full = torch.empty(self.padded_numel, dtype=grad.dtype, device=grad.device)
-        self.comm.all_gather(full, grad.detach().contiguous())
+        full = torch.empty(self.padded_numel, dtype=grad.dtype, device=self.device)
+        self.comm.all_gather(full, grad.detach().to(self.device).contiguous())
         return full
 
     def split_full(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -350,7 +413,7 @@ class FlatParamHandle:
 
     def has_unreduced_grad(self) -> bool:
         """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
-        return self.sharded and self._full.grad is not None
+        return self.separate_full and self._full.grad is not None
 
     def holds_no_sync_grad(self) -> bool:
         """Whether the gradient includes a ``no_sync`` backward not yet averaged over the ranks."""
@@ -372,25 +435,63 @@ class FlatParamHandle:
             return False
         if self._reduction is not None:
             raise AssertionError(f"[rank {self.rank}] a gradient reduction is already in flight")
-        if not self.sharded:
-            if self.world_size > 1:
+        if not self.separate_full:  # NO_SHARD: the gradient is flat_param.grad, reduced in place
+            if self._comm_hook is not None:
+                hook, state = self._comm_hook
+                hook(state, full_grad)
+            elif self.world_size > 1:
                 self._reduction = self.comm.all_reduce_mean(full_grad, async_op=True)
         else:
-            shard_grad = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
-            pending = self.comm.reduce_scatter_mean(shard_grad, full_grad.contiguous(), async_op=True)
             self._full.grad = None
+            grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
+            pending, reduced = self._start_reduction(grad.contiguous())
             # (the partial keeps the full gradient alive until the reduction is complete)
-            self._reduction = Pending(None, functools.partial(self._accumulate, pending, shard_grad, full_grad))
+            self._reduction = Pending(None, functools.partial(self._accumulate, pending, reduced, grad))
         if not async_op:
             self.finish_reduction()
         return True
 
+    def _start_reduction(self, grad: torch.Tensor) -> Tuple[Pending, torch.Tensor]:
+        """Average ``grad`` (full, in the reduce dtype) over the ranks: (the collective in
+        flight, the tensor receiving this rank's part -- all of it when not sharded)."""
+        hook = self._comm_hook
+        if not self.sharded:  # mixed precision without sharding
+            if hook is not None:
+                hook[0](hook[1], grad)
+            elif self.world_size > 1:
+                return self.comm.all_reduce_mean(grad, async_op=True), grad
+            return Pending(None), grad
+        shard_grad = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+        if hook is not None:
+            hook[0](hook[1], grad, shard_grad)
+            return Pending(None), shard_grad
+        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True), shard_grad
+
     def _accumulate(self, pending: Pending, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> None:
         pending.wait()
+        if self.replicate is not None and self.replicate.world_size > 1:
+            self.replicate.all_reduce_mean(shard_grad)
+        if shard_grad.dtype != self.grad_dtype:
+            shard_grad = shard_grad.to(self.grad_dtype)
+        if self.offload:
+            shard_grad = shard_grad.to("cpu")
         if self.flat_param.grad is None:
-            self.flat_param.grad = shard_grad
+            if shard_grad.dtype == self.dtype:
+                self.flat_param.grad = shard_grad
+            else:  # keep_low_precision_grads: .grad's dtype must match, its data need not
+                self.flat_param.grad = torch.zeros((), dtype=self.dtype, device=shard_grad.device).expand(shard_grad.shape)
+                self.flat_param.grad.data = shard_grad
         else:
             self.flat_param.grad.add_(shard_grad)
+
+    def set_comm_hook(self, hook: Callable[..., Any], state: Any) -> None:
+        """Reduce gradients with ``hook(state, grad)`` (unsharded: all-reduce ``grad`` in place)
+        or ``hook(state, grad, output)`` (sharded: write this rank's reduced shard into
+        ``output``), as torch FSDP1 calls its communication hooks."""
+        self._comm_hook = (hook, state)
+
+    def has_comm_hook(self) -> bool:
+        return self._comm_hook is not None
 
     def finish_reduction(self) -> None:
         """Complete a gradient reduction in flight (``flat_param.grad`` is final after it)."""
@@ -409,13 +510,13 @@ class FlatParamHandle:
         ``.grad`` and unmodified; if not, the user zeroed the gradients and the held gradient
         is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself.)
         """
-        if not self.sharded:
+        if not self.separate_full:
             self._local_grad = self.flat_param.grad is not None
             return
         if self._full.grad is None:
             return
         if self.flat_param.grad is None:
-            self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.flat_param.device)
         self._held_grad = (weakref.ref(self.flat_param.grad), self.flat_param.grad._version)
 
     def drop_grad_if_zeroed(self) -> None:

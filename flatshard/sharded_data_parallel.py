@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 from torch import nn
 
+from ._clip import clip_grad_norm_
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
 from ._init import build_unit, constructor_options
@@ -363,6 +364,48 @@ class ShardedDataParallel(nn.Module):
         for name, buffer in named:
             yield clean_name(name), buffer
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter of the model by their total norm over all
+        ranks (shards, unsharded and ignored parameters), like
+        ``torch.nn.utils.clip_grad_norm_`` on the unwrapped model. Call it on the root, after
+        backward, on every rank.
+
+        Args:
+            max_norm: the largest total norm allowed.
+            norm_type: the p of the p-norm (``float("inf")`` for the largest absolute value).
+
+        Returns:
+            The total norm before clipping, as a tensor.
+        """
+        return clip_grad_norm_(self._unit, self, max_norm, norm_type)
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Reduce every unit's gradients with ``hook`` instead of the default averaging, as in
+        FSDP1: ``hook(state, grad)`` for units that are not sharded, ``hook(state, grad,
+        output)`` for sharded ones. Call it on the root, before the first forward; see
+        ``flatshard.comm_hooks`` for ready-made hooks (e.g. ``bf16_compress_hook`` with
+        ``LowPrecisionState(model.process_group)``).
+
+        Args:
+            state: passed to every call of ``hook``.
+            hook: the gradient reduction.
+        """
+        unit = self._unit
+        if not unit.is_root:
+            raise RuntimeError(f"register_comm_hook must be called on the root ShardedDataParallel, not on the nested unit {display_name(unit.name)}")
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable; got {hook!r}")
+        units = [unit] + [u for _, u in unit.descendants]
+        if unit.ctx is not None:
+            raise RuntimeError("register_comm_hook must be called before training starts (before the first forward)")
+        if any(u.replicate_group is not None for u in units):
+            raise NotImplementedError("register_comm_hook with hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) is not supported")
+        if any(h.has_comm_hook() for u in units for h in u.handles):
+            raise RuntimeError("a communication hook is registered already; register_comm_hook can be called once")
+        for member in units:
+            for handle in member.handles:
+                handle.set_comm_hook(hook, state)
+
     # -- optimizer state (see flatshard.optim_state) -----------------------------------------
 
     @staticmethod
@@ -557,11 +600,6 @@ class ShardedDataParallel(nn.Module):
         return f"{type(self).__name__}({self.extra_repr()}\n  (module): {inner}\n)"
 
 
-# FSDP1 methods that later versions implement. Each raises NotImplementedError naming itself,
-# rather than an AttributeError about the wrapped module (attribute forwarding).
-_NOT_YET = ("clip_grad_norm_", "register_comm_hook")
-
-
 def _is_wrapper(module: nn.Module) -> bool:
     return isinstance(module, ShardedDataParallel)
 
@@ -593,15 +631,3 @@ def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigPa
         for parent, attr in unit.slots:
             setattr(parent, attr, wrapper)
     return plan[-1].params
-
-
-def _not_yet(name: str) -> Any:
-    def unsupported(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"ShardedDataParallel.{name} is not supported yet")
-
-    unsupported.__name__ = unsupported.__qualname__ = name
-    return staticmethod(unsupported)
-
-
-for _method in _NOT_YET:
-    setattr(ShardedDataParallel, _method, _not_yet(_method))

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from expecttest import TestCase
 from torch import nn
 
-from flatshard import CPUOffload, MixedPrecision, ShardedDataParallel, ShardingStrategy
+from flatshard import MixedPrecision, ShardedDataParallel, ShardingStrategy
 from flatshard.wrap import CustomPolicy
 from tests._models import Block, build, wrap
 
@@ -102,10 +102,11 @@ CASES = {
     "hybrid": _option(sharding_strategy=ShardingStrategy.HYBRID_SHARD),
     "hybrid_zero2": _option(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
     "group_pair": _group_pair,
-    "offload": _option(cpu_offload=CPUOffload(offload_params=True)),
+    "mesh_2d": lambda: ShardedDataParallel(Pair(), device_mesh=init_device_mesh("cpu", (1, 1))),
+    "hybrid_1d_mesh": lambda: ShardedDataParallel(Pair(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (1,))),
     "policy_type": _option(auto_wrap_policy=42),
     "policy_override": lambda: ShardedDataParallel(Pair(), auto_wrap_policy=CustomPolicy(_override_ignored)),
-    "mixed_precision": _option(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
+    "mixed_precision": _option(mixed_precision=MixedPrecision(param_dtype=torch.int32)),
     "ignored_both": _option(ignored_modules=[], ignored_states=[]),
     "ignored_root": lambda: _ignored_root(),
     "ignored_wrapper": lambda: _ignored_wrapper(),
@@ -221,19 +222,26 @@ class ErrorTest(TestCase):
 
     def test_unsupported_options_raise_not_implemented_naming_the_option(self):
         expected = {
-            "hybrid": "sharding_strategy=ShardingStrategy.HYBRID_SHARD is not supported yet",
-            "hybrid_zero2": "sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 is not supported yet",
-            "group_pair": "process_group as a (shard group, replicate group) pair (hybrid sharding) is not supported yet",
-            "offload": "cpu_offload=CPUOffload(offload_params=True) is not supported yet",
-            "mixed_precision": "mixed_precision is not supported yet",
             "use_orig_params": "use_orig_params=True is not supported yet",
         }
         for case, message in expected.items():
             self.assertEqual(self.error(case), f"NotImplementedError: {message}", case)
 
+    def test_hybrid_sharding_needs_two_groups(self):
+        self.assertExpectedInline(
+            "\n".join(self.error(case) for case in ("hybrid", "hybrid_zero2", "group_pair", "mesh_2d", "hybrid_1d_mesh")),
+            """\
+ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard); got process_group=None
+ValueError: sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 needs process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard); got process_group=None
+ValueError: process_group as a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2
+ValueError: a 2-D device_mesh is for hybrid sharding (sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2); pass a 1-D mesh
+ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs a 2-D device_mesh (replicate, shard); got a 1-D one""",
+        )
+
     def test_construction_option_errors(self):
         self.assertExpectedInline(self.error("policy_type"), """TypeError: auto_wrap_policy must be a callable policy (such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})), a ModuleWrapPolicy or a CustomPolicy; got an object of type int""")
         self.assertExpectedInline(self.error("policy_override"), """ValueError: the auto-wrap policy cannot override 'ignored_modules' for one unit (module 'a' (Linear))""")
+        self.assertEqual(self.error("mixed_precision"), "TypeError: mixed_precision.param_dtype must be a floating-point torch.dtype or None; got torch.int32")
         self.assertExpectedInline(self.error("ignored_both"), """ValueError: pass either ignored_modules or ignored_states, not both""")
         self.assertExpectedInline(self.error("ignored_root"), """ValueError: the module being wrapped cannot itself be ignored""")
         self.assertExpectedInline(self.error("ignored_wrapper"), """ValueError: ignored modules must not be ShardedDataParallel units; got one wrapping Linear""")

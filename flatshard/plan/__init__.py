@@ -206,8 +206,9 @@ def plan(
 def _unit_plan(unit: PlannedUnit, options: Dict[str, Any], world_size: int) -> UnitPlan:
     config = check_options(unit_options(options, unit))
     size = world_size
-    if unit.overrides.get("process_group") is not None:
-        size = dist.get_world_size(unit.overrides["process_group"])  # a group exists only if initialised
+    group = unit.overrides.get("process_group")
+    if group is not None:  # (a group exists only if initialised; hybrid: the shard group of the pair)
+        size = dist.get_world_size(group[0] if isinstance(group, tuple) else group)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     groups = []
     for members in group_params(unit.params):
