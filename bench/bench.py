@@ -67,8 +67,17 @@ def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str,
         from flatshard import BackwardPrefetch, ShardedDataParallel as FullyShardedDataParallel, ShardingStrategy
         from flatshard import transformer_auto_wrap_policy
     prefetch = options.get("backward_prefetch", "BACKWARD_PRE")
+    extra = {}
+    if options.get("mixed_precision") == "bf16":
+        if impl == "fsdp1":
+            from torch.distributed.fsdp import MixedPrecision
+        else:
+            from flatshard import MixedPrecision
+        bf16 = torch.bfloat16
+        extra["mixed_precision"] = MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16)
     return FullyShardedDataParallel(
         model,
+        **extra,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
         sharding_strategy=ShardingStrategy[options.get("sharding_strategy", "FULL_SHARD")],
         backward_prefetch=None if prefetch == "None" else BackwardPrefetch[prefetch],
@@ -105,7 +114,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         dist.barrier()
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -162,6 +171,8 @@ VARIANTS = {
     "flatshard BACKWARD_POST": ("flatshard", {"backward_prefetch": "BACKWARD_POST"}),
     "flatshard no prefetch": ("flatshard", {"backward_prefetch": "None"}),
     "flatshard forward_prefetch": ("flatshard", {"forward_prefetch": True}),
+    "flatshard bf16": ("flatshard", {"mixed_precision": "bf16"}),
+    "fsdp1 bf16": ("fsdp1", {"mixed_precision": "bf16"}),
 }
 
 

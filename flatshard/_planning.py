@@ -21,9 +21,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Type
 
 from torch import nn
 
-from ._common import describe_module, display_name, join_name
+from ._common import coerce_config, describe_module, display_name, join_name
 from ._init import Ignored, check_options, check_params, check_ties, resolve_ignored, unit_of
 from ._unit import Unit
+from .api import MixedPrecision
 from .flat_param import OrigParam
 from .wrap import ModuleWrapPolicy, select_units
 
@@ -70,6 +71,7 @@ def make_plan(root: nn.Module, options: Dict[str, Any], *, wrapper_cls: Type[nn.
         ignored_modules=set(ignored[0].values()),
         ignored_params=set(ignored[1].values()),
     )
+    _add_full_precision_units(root, options, targets, ignored, wrapper_cls)
     units = [PlannedUnit("", root, {}, None)]
     registrations, nested = _walk(root, targets, units, wrapper_cls, ignored)
     _assign(registrations, units)
@@ -79,6 +81,21 @@ def make_plan(root: nn.Module, options: Dict[str, Any], *, wrapper_cls: Type[nn.
         check_options(unit_options(options, unit))
         check_params(unit.params, unit.name)
     return _innermost_first(units)
+
+
+def _add_full_precision_units(
+    root: nn.Module, options: Dict[str, Any], targets: Dict[nn.Module, Dict[str, Any]], ignored: Ignored, wrapper_cls: Type[nn.Module]
+) -> None:
+    """With mixed precision and a policy, the module classes MixedPrecision keeps in full
+    precision (BatchNorm) become units of their own, as FSDP1 wraps them (see ``_init._precision``)."""
+    mp = coerce_config(options["mixed_precision"], MixedPrecision, "mixed_precision")
+    if options["auto_wrap_policy"] is None or mp is None or mp.param_dtype is None:
+        return
+    classes = tuple(mp._module_classes_to_ignore)
+    inside_units = {id(m) for w in root.modules() if isinstance(w, wrapper_cls) for m in w.modules()}
+    for module in root.modules():
+        if module is not root and isinstance(module, classes) and id(module) not in inside_units and id(module) not in ignored[0]:
+            targets.setdefault(module, {})
 
 
 def unit_options(options: Dict[str, Any], unit: PlannedUnit) -> Dict[str, Any]:

@@ -56,15 +56,19 @@ class ShardedDataParallel(nn.Module):
 
     Args:
         module: the module to wrap.
-        process_group: the ranks to shard over (default: the default process group).
+        process_group: the ranks to shard over (default: the default process group); for
+            ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` a ``(shard_group, replicate_group)`` pair.
         sharding_strategy: a ``ShardingStrategy`` (default ``FULL_SHARD``).
-        cpu_offload: ``CPUOffload(offload_params=False)`` or ``None``.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps the shards and their gradients
+            on the CPU (the optimizer steps there); a no-op when computing on the CPU.
         auto_wrap_policy: a policy from ``flatshard.wrap`` (or any FSDP1-style policy) that
             picks the submodules to wrap as units; the module itself is always a unit.
             Tied parameters go to the lowest unit containing all their users.
         backward_prefetch: ``BACKWARD_PRE`` (default), ``BACKWARD_POST`` or ``None``: when the
             next unit's all-gather is issued in backward.
-        mixed_precision: ``None`` (a ``MixedPrecision`` with dtypes: not supported yet).
+        mixed_precision: a ``MixedPrecision``: compute in ``param_dtype``, reduce gradients in
+            ``reduce_dtype``, buffers in ``buffer_dtype``; the shards (and state dicts) keep
+            the parameters' dtype. With a policy, BatchNorm-style modules become full-precision units.
         ignored_modules: modules whose parameters and buffers stay ordinary (not flattened,
             sharded or reduced).
         param_init_fn: called on each module built on the meta device, unit by unit, to
@@ -75,12 +79,11 @@ class ShardedDataParallel(nn.Module):
             sharding, so ranks may start from different initial values.
         forward_prefetch: issue the next unit's all-gather (by the first iteration's order)
             before this unit's forward computes.
-        limit_all_gathers: bound the number of gathered units. Collectives are synchronous
-            for now, so at most the computing unit and one prefetched unit are gathered
-            beyond the root (and ``SHARD_GRAD_OP`` units kept for backward).
+        limit_all_gathers: bound the units gathered ahead of their use (by prefetches) to two.
         use_orig_params: ``False`` (``True``: not supported yet).
         ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
-        device_mesh: a 1-D ``DeviceMesh`` instead of ``process_group``.
+        device_mesh: a 1-D ``DeviceMesh`` instead of ``process_group`` (2-D, (replicate,
+            shard), for hybrid sharding).
     """
 
     def __init__(

@@ -1,12 +1,16 @@
 """Hybrid sharding, CPU offload and communication hooks: training equals single-process
 training on the global batch."""
 
+import shutil
+import tempfile
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
 
-from flatshard import CPUOffload, ShardingStrategy, comm_hooks
+from flatshard import CPUOffload, ShardedDataParallel, ShardingStrategy, StateDictType, comm_hooks
 from tests._models import batch, build, full_params, lm_loss, local, run_parity, train_reference, wrap
 
 
@@ -18,7 +22,7 @@ def _pair(rank):
     return shard[rank // 2], replicate[rank % 2]
 
 
-def _hybrid(rank, world_size):
+def _hybrid(rank, world_size, directory):
     """Both hybrid strategies, with a group pair and with a 2-D mesh; plus the FULL state dict."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     pair = _pair(rank)
@@ -33,6 +37,19 @@ def _hybrid(rank, world_size):
     for key, value in plain.items():
         if not torch.equal(state[key], value):
             raise AssertionError(f"{key} differs")
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save(model.state_dict(), checkpoint_id=directory)
+    for fresh in (
+        wrap(build(seed=3), "nested", sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=pair),
+        wrap(build(seed=3), "nested"),  # the same checkpoint without hybrid sharding
+    ):
+        with ShardedDataParallel.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+            loaded = fresh.state_dict()
+            dcp.load(loaded, checkpoint_id=directory)
+            fresh.load_state_dict(loaded)
+        for key, value in fresh.state_dict().items():
+            if not torch.equal(value, plain[key]):
+                raise AssertionError(f"{key} differs after loading the hybrid checkpoint")
     return True
 
 
@@ -111,7 +128,9 @@ def _hook_errors(rank, world_size):
 
 class HybridTest(TestCase):
     def test_hybrid_strategies_match_single_process_training_on_2x2(self):
-        self.assertEqual(self.pool.run(_hybrid, 4), [True] * 4)
+        directory = tempfile.mkdtemp(prefix="flatshard-hybrid-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        self.assertEqual(self.pool.run(_hybrid, 4, directory), [True] * 4)
 
 
 class OffloadTest(TestCase):
