@@ -88,6 +88,10 @@ class Communicator:
         self.world_size = size_of(group)
         self.gloo = "gloo" in backend_of(group)
 
+    def global_ranks(self) -> List[int]:
+        """The group's ranks in the default group, in group order."""
+        return list(dist.get_process_group_ranks(self.group))
+
     @property
     def group(self) -> ProcessGroup:
         group = self._group()

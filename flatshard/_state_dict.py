@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import all_gather_object, fingerprint, mesh_of
+from ._collectives import Communicator, all_gather_object, fingerprint, mesh_of
 from ._common import HandleState, clean_name, coerce_config, coerce_enum, join_name
 from ._plain_view import plain_view
 from ._summon import check_idle, check_ranks_agree
@@ -246,6 +246,30 @@ def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     return full.new_empty((0,) + tuple(full.shape[1:]))
 
 
+def full_value(value: Any, comm: Communicator) -> Any:
+    """The full tensor of a state-dict value: a plain tensor as it is; a ``DTensor`` split
+    ``Shard(0)`` over ``comm``'s ranks (as flatshard and FSDP1 make them) assembled with one
+    all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``."""
+    if not _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, shape = value.device_mesh, tuple(value.shape)
+    if mesh.ndim != 1 or mesh.mesh.tolist() != comm.global_ranks():
+        return value.full_tensor()
+    local = value.to_local()
+    if value.placements == (Replicate(),):
+        return local
+    if value.placements != (Shard(0),) or not shape:
+        return value.full_tensor()
+    rows = -(-shape[0] // comm.world_size)  # torch.chunk's part size
+    padded = local.new_zeros((rows,) + shape[1:])
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((comm.world_size * rows,) + shape[1:])
+    comm.all_gather(out.view(-1), padded.reshape(-1))
+    return out[: shape[0]]
+
+
 def _is_dtensor(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -297,8 +321,7 @@ def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: 
     for handle in handles:
         for index, sink in enumerate(sinks[handle]):
             if sink.loaded is not None:  # (the last registration of a tie wins, as in torch)
-                value = sink.loaded
-                handle.load_param(index, value.full_tensor() if _is_dtensor(value) else value)
+                handle.load_param(index, full_value(sink.loaded, handle.comm))
     return result
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from ._collectives import all_gather_object, broadcast_object, fingerprint, mesh_of
 from ._common import clean_name, join_name
 from ._plain_view import plain_view
-from ._state_dict import IsWrapper, _agree, _chunk, named_units
+from ._state_dict import IsWrapper, _agree, _chunk, full_value, named_units
 from ._unit import Unit
 from .api import OptimStateKeyType
 from .flat_param import FlatParameter, FlatParamHandle
@@ -309,12 +309,6 @@ def _equal(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _full_value(value: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def _shard_of(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: torch.dtype, state: Mapping[str, Any]) -> torch.Tensor:
     """This rank's part of positional state ``key`` of a FlatParameter, from per-parameter
     values (zeros where a parameter has none)."""
@@ -322,7 +316,7 @@ def _shard_of(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: to
     values = {}
     for name in names:
         if state.get(name):
-            values[name] = _full_value(state[name][key]).detach().reshape(-1)  # (collective for DTensors)
+            values[name] = full_value(state[name][key], handle.comm).detach().reshape(-1)  # (collective for DTensors)
     for held in handle.shard_param_infos:
         value = values.get(names[held.index])
         if value is not None:
@@ -394,7 +388,8 @@ def flatten_optim_state(
                 for key, kind, extra in plan
             }
         else:
-            state[pid] = {key: _scalar(_full_value(v), param.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for key, v in osd["state"][names[0]].items()}
+            comm = index.root.comm
+            state[pid] = {key: _scalar(full_value(v, comm), param.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for key, v in osd["state"][names[0]].items()}
     return {"state": state, "param_groups": new_groups}
 
 
