@@ -2,6 +2,9 @@
 
     python examples/train_gpt.py                 # starts 2 local CPU ranks (gloo) by itself
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 50   # the launcher's ranks
+    python examples/train_gpt.py --steps 30 --save ckpt          # sharded checkpoint at the end
+    python examples/train_gpt.py --steps 60 --resume ckpt        # continues from step 30
+    python examples/train_gpt.py --full-checkpoint model.pt      # one file a plain model loads
 
 ``transformer_auto_wrap_policy`` makes each transformer block its own sharded unit; the
 embedding (tied to the output head) and the final norm live in the root unit. The corpus is generated deterministically (a random
@@ -15,16 +18,29 @@ import functools
 import gc
 import math
 import os
+import resource
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard import ShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy
+from flatshard import (
+    BackwardPrefetch,
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardedDataParallel,
+    ShardingStrategy,
+    StateDictType,
+    transformer_auto_wrap_policy,
+)
+
+DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,35 +102,95 @@ def markov_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> torc
     return tokens
 
 
-def train(args: argparse.Namespace) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def build(args: argparse.Namespace, device: torch.device) -> ShardedDataParallel:
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    model = ShardedDataParallel(
+    dtype = DTYPES[args.mixed_precision]
+    prefetch = None if args.backward_prefetch == "None" else BackwardPrefetch[args.backward_prefetch]
+    return ShardedDataParallel(
         model,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
         sharding_strategy=ShardingStrategy[args.strategy],
+        backward_prefetch=prefetch,
+        forward_prefetch=args.forward_prefetch,
+        mixed_precision=MixedPrecision(param_dtype=dtype, buffer_dtype=dtype) if dtype else None,
         device_id=device,
     )
+
+
+def save(model: ShardedDataParallel, optim: torch.optim.Optimizer, step: int, directory: str) -> None:
+    """A sharded checkpoint (model, optimizer, step) that any number of ranks can load."""
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": step}
+        dcp.save(state, checkpoint_id=directory)
+
+
+def resume(model: ShardedDataParallel, optim: torch.optim.Optimizer, directory: str) -> int:
+    """Load a checkpoint written by ``save`` (at any world size); returns its step."""
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": 0}
+        dcp.load(state, checkpoint_id=directory)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+    return int(state["step"])
+
+
+def save_full(model: ShardedDataParallel, path: str) -> None:
+    """The unwrapped model's state dict in one file, gathered unit by unit onto rank 0."""
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with ShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        state = model.state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+
+
+def memory_per_rank() -> str:
+    """Peak resident memory of every rank, in MiB."""
+    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    everyone = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return "/".join(f"{m.item():.0f}" for m in everyone) + " MiB"
+
+
+def report(step: int, args: argparse.Namespace, loss: float, tokens_per_s: float, memory: str) -> None:
+    """Rank 0's progress: a live bar on a terminal, one line per logged step otherwise."""
+    line = f"step {step:4d}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  mem {memory}"
+    if sys.stdout.isatty():
+        done = int(30 * step / args.steps)
+        print(f"\r[{'#' * done}{'.' * (30 - done)}] {line}", end="\n" if step == args.steps else "", flush=True)
+    else:
+        print(line, flush=True)
+
+
+def train(args: argparse.Namespace) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = build(args, device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    first = resume(model, optim, args.resume) + 1 if args.resume else 1
     if rank == 0:
         total = sum(h.numel for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles)
-        print(f"{world} ranks, {total:,} parameters, {args.strategy}, device {device}", flush=True)
+        where = f", resumed at step {first}" if args.resume else ""
+        print(f"{world} ranks, {total:,} parameters, {args.strategy}, device {device}{where}", flush=True)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         tokens = markov_batch(step, rank, args.batch, args.seq, args.vocab).to(device)
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            elapsed = time.perf_counter() - start
-            tokens_per_s = step * world * args.batch * args.seq / elapsed
-            print(f"step {step:4d}  loss {mean_loss.item() / world:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
+        if step % args.log_every == 0 or step == args.steps:
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)
+            memory = memory_per_rank()
+            tokens_per_s = (step - first + 1) * world * args.batch * args.seq / (time.perf_counter() - start)
+            if rank == 0:
+                report(step, args, mean_loss.item() / world, tokens_per_s, memory)
+    if args.save:
+        save(model, optim, args.steps, args.save)
+    if args.full_checkpoint:
+        save_full(model, args.full_checkpoint)
     if rank == 0:
         print(f"done: {args.steps} steps; the best possible loss here is ln 3 = {math.log(3):.4f}", flush=True)
 
@@ -149,6 +225,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks to start when not under torchrun")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--backward-prefetch", choices=["BACKWARD_PRE", "BACKWARD_POST", "None"], default="BACKWARD_PRE")
+    p.add_argument("--forward-prefetch", action="store_true")
+    p.add_argument("--mixed-precision", choices=list(DTYPES), default="none", help="compute dtype (this CPU: slow)")
+    p.add_argument("--save", metavar="DIR", help="write a sharded checkpoint (model, optimizer, step) at the end")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written by --save (any world size)")
+    p.add_argument("--full-checkpoint", metavar="FILE", help="write the unwrapped model's state dict (rank 0)")
     return p.parse_args()
 
 

@@ -25,11 +25,13 @@ def test_example_without_arguments_starts_two_cpu_ranks():
     assert "done: 3 steps" in out
 
 
-def test_example_under_torchrun_uses_the_launchers_ranks():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", EXAMPLE, *SMALL]
+def test_example_under_torchrun_uses_the_launchers_ranks_and_flags():
+    flags = ["--strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST", "--forward-prefetch", "--mixed-precision", "bf16"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", EXAMPLE, *SMALL, *flags]
     out = _run(cmd)
     assert out.startswith("3 ranks, ")
     assert "done: 3 steps" in out
+    assert all("mem " in line for line in out.splitlines() if line.startswith("step"))
 
 
 def test_benchmark_script_runs_and_prints_the_comparison():
@@ -39,3 +41,27 @@ def test_benchmark_script_runs_and_prints_the_comparison():
     out = _run([sys.executable, bench, *tiny])
     rows = [line for line in out.splitlines() if line.startswith("| flatshard") or line.startswith("| fsdp1")]
     assert len(rows) == 2, out
+
+
+def _losses(out):
+    return {line.split()[1]: line.split()[3] for line in out.splitlines() if line.startswith("step")}
+
+
+def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(tmp_path):
+    """A run of 4 steps saved at step 2 and resumed prints the uninterrupted run's losses."""
+    small = ["--log-every", "1", "--layers", "2", "--dim", "32"]
+    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *small]))
+    ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
+    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *small]))
+    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *small])
+    assert "resumed at step 3" in second
+    assert {**first, **_losses(second)} == whole
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_gpt import GPT
+    finally:
+        sys.path.pop(0)
+    plain = GPT(64, 32, 2, 4, 32)
+    plain.load_state_dict(torch.load(full, weights_only=True), strict=True)
