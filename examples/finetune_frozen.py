@@ -131,7 +131,8 @@ def train(args: argparse.Namespace) -> None:
 
     if args.check:  # every rank compares its full copy of the frozen weights with the pretrained ones
         with ShardedDataParallel.summon_full_params(model, writeback=False):
-            same = all(torch.equal(p.detach().cpu(), pretrained[n]) for n, p in model.named_parameters() if n in pretrained)
+            full = {n: p.detach().cpu() for n, p in model.named_parameters() if n in pretrained}
+            same = full.keys() == pretrained.keys() and all(torch.equal(full[n], pretrained[n]) for n in full)
         ok = torch.tensor([float(same)], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not ok.item():
