@@ -31,11 +31,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-# Running without a process group is the point here: torch.distributed.checkpoint warns
-# "torch.distributed is disabled, unavailable or uninitialized, ..." on every call even with
-# no_dist=True, so that one warning (and only it) is silenced.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
 
 def _nest(flat: Dict[str, Any], paths: Dict[str, Tuple[Any, ...]]) -> Dict[str, Any]:
     """Rebuild the nested dict from flat keys and their paths (an int step is a list index)."""
@@ -74,7 +69,7 @@ def to_full(sharded_dir: str, out_path: str) -> None:
 
 def to_sharded(full_path: str, sharded_dir: str) -> None:
     """Write a full ``torch.save`` file as a checkpoint that any number of ranks can load."""
-    state = torch.load(full_path, map_location="cpu", weights_only=False)
+    state = torch.load(full_path, map_location="cpu", weights_only=True)  # tensors and plain data
     if not isinstance(state, dict):
         raise SystemExit(f"{full_path}: expected a dict, found {type(state).__name__}")
     dcp.save(state, storage_writer=dcp.FileSystemWriter(sharded_dir), no_dist=True)
@@ -90,6 +85,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sharded.add_argument("full", metavar="IN.pt")
     sharded.add_argument("sharded_dir", metavar="SHARDED_DIR")
     args = parser.parse_args(argv)
+    # Running without a process group is the point here: torch.distributed.checkpoint warns
+    # "torch.distributed is disabled, unavailable or uninitialized, ..." on every call even with
+    # no_dist=True, so that one warning (and only it) is silenced.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
     if args.command == "to-full":
         if not os.path.isfile(os.path.join(args.sharded_dir, ".metadata")):
             full.error(f"{args.sharded_dir!r} is not a sharded checkpoint (no .metadata file in it)")
