@@ -14,10 +14,12 @@ gathered. Units are converted one at a time, so beyond the output no rank holds 
 unit's full optimizer state.
 
 A parameter without state (a plain optimizer creates none until a parameter has a gradient)
-is zero-filled when another parameter of its ``FlatParameter`` has state: zero moments are
-what flat training keeps for a parameter that never had a gradient. Parameters of one
-``FlatParameter`` must otherwise agree (same state names, same scalar values), or flattening
-raises an error naming them.
+is zero-filled when another parameter of its ``FlatParameter`` has state. That is exact for
+optimizers whose initial state is zero (Adam, AdamW, SGD with momentum, ...), which is what
+flat training keeps for a parameter that never had a gradient; for others (Adagrad's
+``initial_accumulator_value``, Rprop's step sizes) it is an approximation. Step counts are
+taken as the largest; parameters of one ``FlatParameter`` must otherwise agree (same state
+names, same scalar values), or flattening raises an error naming them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .flat_param import FlatParameter, FlatParamHandle
 __all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "init_state"]
 
 _STEP_NAMES = frozenset({"step"})
+_SCALAR_NAMES = frozenset({"step", "mu_product", "eta", "mu"})  # torch optimizers' per-parameter scalars
 
 
 class OptimStateIndex:
@@ -283,16 +286,16 @@ def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], sta
                 f"parameters '{first}' and '{name}' share a FlatParameter but have different optimizer states: "
                 f"{sorted(keys)} vs {sorted(state[name])}"
             )
+    # A parameter with dimensions tells per-element from scalar state (a 0-dim parameter's
+    # per-element state is 0-dim too); if there is none, scalar state is known by name.
+    shaped = next((n for n in present if len(shapes[n]) > 0), None)
     for key in keys:
-        kind = _kind(key, state[first][key], shapes[first])
+        if shaped is not None:
+            kind = _kind(key, state[shaped][key], shapes[shaped])
+        else:
+            kind = "scalar" if key in _SCALAR_NAMES or not isinstance(state[first][key], torch.Tensor) else "positional"
         if kind == "scalar":
-            for name in present[1:]:
-                if not _equal(state[name][key], state[first][key]):
-                    raise ValueError(
-                        f"parameters '{first}' and '{name}' share a FlatParameter but have different '{key}': "
-                        f"{state[first][key]!r} vs {state[name][key]!r}"
-                    )
-            plan.append((key, kind, state[first][key]))
+            plan.append((key, kind, _scalar_value(key, [(name, state[name][key]) for name in present])))
             continue
         for name in present:
             value = state[name][key]
@@ -301,6 +304,22 @@ def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], sta
                 raise ValueError(f"optimizer state '{key}' of parameter '{name}' has {got}; the parameter has shape {shapes[name]}")
         plan.append((key, kind, state[first][key].dtype))
     return plan
+
+
+def _scalar_value(key: str, values: Sequence[Tuple[str, Any]]) -> Any:
+    """The one value of scalar state ``key`` for a FlatParameter. Step counts may differ (a
+    plain optimizer counts per parameter, and one that got no gradient for a while counts
+    fewer): the FlatParameter has taken the most steps. Anything else must agree."""
+    first_name, first = values[0]
+    if key in _STEP_NAMES and all(isinstance(v, (torch.Tensor, int, float)) for _, v in values):
+        return max((v for _, v in values), key=lambda v: float(v))
+    for name, value in values[1:]:
+        if not _equal(value, first):
+            raise ValueError(
+                f"parameters '{first_name}' and '{name}' share a FlatParameter but have different '{key}': "
+                f"{first!r} vs {value!r}"
+            )
+    return first
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -363,17 +382,17 @@ def flatten_optim_state(
     """A name-keyed optimizer state dict (full tensors or ``DTensor``s) as the state dict of
     an optimizer over ``groups``, for this rank (keyed by parameter ID). ``collective``:
     the ranks check they were given the same structure first (needed for ``DTensor`` values)."""
-    _check_state_dict(osd, what)
     index = OptimStateIndex(model, is_wrapper)
     error: Optional[BaseException] = None
     try:
+        _check_state_dict(osd, what)
         group_of = _check_names(index, osd)
         new_groups = _new_groups(index, groups, osd, group_of)
         plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for g in groups for p in g]
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - malformed input: raised on every rank below, not a hang
         error = exc
     if collective:
-        _agree(index.root, _describe(osd), error, what)
+        _agree(index.root, _describe(osd) if error is None else {}, error, what)
     elif error is not None:
         raise error
     state: Dict[int, Dict[str, Any]] = {}
@@ -409,8 +428,8 @@ def scatter_optim_state(
             new_groups = _new_groups(index, groups, osd, group_of)  # type: ignore[arg-type]
             plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for p in params]  # type: ignore[index]
             skeleton = ("ok", new_groups, plans)
-        except ValueError as exc:
-            skeleton = ("error", str(exc), None)
+        except Exception as exc:  # noqa: BLE001 - malformed input: every rank raises, none waits
+            skeleton = ("error", f"{type(exc).__name__}: {exc}", None)
     skeleton = broadcast_object(skeleton, root.group)
     if skeleton[0] == "error":
         raise ValueError(f"[rank {root.rank}] scatter_full_optim_state_dict: {skeleton[1]}")

@@ -206,7 +206,7 @@ def _errors(rank, world_size):
         osd["state"]["blocks.0.fc1.bias"] = {"step": osd["state"]["blocks.0.fc1.bias"]["step"], "momentum_buffer": torch.zeros(16)}
         return osd
 
-    def steps(osd):
+    def steps(osd):  # step counts may differ (a parameter without gradients counts fewer)
         osd["state"]["blocks.2.norm.weight"]["step"] = torch.tensor(5.0)
         return osd
 
@@ -293,6 +293,49 @@ def _memory(rank, world_size):
     return tracker.peak_bytes, output, largest
 
 
+class _ScalarFirst(torch.nn.Module):
+    """A 0-dim parameter first in its FlatParameter (its state looks like step counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _unusual_state(rank, world_size):
+    """NAdam/ASGD scalar state with a 0-dim parameter first; a plain Adagrad whose unused
+    parameter kept step 0 loads into the wrapped model and continues like the plain one."""
+    torch.manual_seed(0)
+    out = {}
+    for make in (torch.optim.NAdam, torch.optim.ASGD):
+        model = ShardedDataParallel(_ScalarFirst())
+        optim = make(model.parameters(), lr=1e-2)
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        full = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+        optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(full, model, optim=optim))
+        again = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+        _assert_full_osd(again, full, make.__name__)
+        out[make.__name__] = sorted(full["state"]["scale"])
+    plain = build(0, unused=True)
+    plain_optim = torch.optim.Adagrad(_groups(plain.named_parameters()), lr=0.05)
+    for step in range(K):
+        _step(plain, plain_optim, step)
+    named = ShardedDataParallel.rekey_optim_state_dict(plain_optim.state_dict(), OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+    model = _wrapped(seed=3, unused=True)
+    optim = torch.optim.Adagrad(_groups(model.named_parameters()), lr=0.05)
+    model.load_state_dict(plain.state_dict())
+    optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(named, model, optim=optim))
+    for step in range(K, 2 * K):
+        _step(model, optim, step, rank, world_size)
+        _step(plain, plain_optim, step)
+    _assert_params(model, plain, "Adagrad, plain -> wrapped")
+    return out
+
+
 class OptimStateTest(TestCase):
     def setUp(self):
         self.directory = tempfile.mkdtemp(prefix="flatshard-optim-")
@@ -322,6 +365,10 @@ class OptimStateTest(TestCase):
         self.assertLessEqual(peak0, output0 + largest)
         self.assertLessEqual(peak1, largest)
 
+    def test_scalar_state_of_0_dim_parameters_and_differing_step_counts(self):
+        out = self.pool.run(_unusual_state, 2)[0]
+        self.assertEqual(out, {"NAdam": ["exp_avg", "exp_avg_sq", "mu_product", "step"], "ASGD": ["ax", "eta", "mu", "step"]})
+
     def test_errors_name_the_parameters(self):
         messages = self.pool.run(_errors, 2)[0]
         self.assertExpectedInline("\n".join(messages), """\
@@ -329,7 +376,7 @@ the optimizer state dict has state for parameters the model does not have: 'bloc
 parameter 'blocks.1.fc2.bias' is in the optimizer but in none of the state dict's param groups
 optimizer state 'exp_avg' of parameter 'blocks.0.fc1.bias' has shape (3,); the parameter has shape (16,)
 parameters 'blocks.0.norm.weight' and 'blocks.0.fc1.bias' share a FlatParameter but have different optimizer states: ['exp_avg', 'exp_avg_sq', 'step'] vs ['momentum_buffer', 'step']
-parameters 'blocks.2.norm.weight' and 'blocks.2.norm.bias' share a FlatParameter but have different 'step': tensor(5.) vs tensor(1.)
+no error
 the optimizer has 2 param groups but the state dict has 1
 TypeError: optim must be a torch.optim.Optimizer; got str
 ValueError: shard_full_optim_state_dict: expected an optimizer state dict with 'state' and 'param_groups'; got list
