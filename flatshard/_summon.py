@@ -123,8 +123,8 @@ def _empty_summoned(values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:
     with torch.no_grad():
         for params in values.values():
             for param in params:
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 param.grad = None
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, gathered_before: bool) -> Tuple[List[nn.Parameter], bool]:
