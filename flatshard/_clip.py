@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from ._summon import check_idle
+from ._summon import check_grads_averaged, check_idle
 from ._unit import BackwardState, Unit
 from .flat_param import FlatParamHandle
 
@@ -100,18 +100,14 @@ def _gradients(units: List[Unit], module: nn.Module) -> Tuple[_Grads, _Grads]:
     """(the gradients sharded over the ranks, the gradients every rank holds whole), each as
     (gradient, the part that counts: a shard's padding is left out)."""
     handles: Dict[int, FlatParamHandle] = {id(h.flat_param): h for unit in units for h in unit.handles}
+    for handle in handles.values():
+        handle.drop_grad_if_zeroed()  # (a no_sync gradient the user zeroed since does not count)
+    check_grads_averaged(list(handles.values()), f"{units[0].where()}: {_WHAT}")
     group = units[0].group
     sharded: _Grads = []
     whole: _Grads = []
     for param in module.parameters():
         handle = handles.get(id(param))
-        if handle is not None:
-            handle.drop_grad_if_zeroed()
-            if handle.holds_no_sync_grad() and param.grad is not None:
-                raise RuntimeError(
-                    f"{units[0].where()}: {_WHAT} after a backward under no_sync(): the gradients are not "
-                    f"averaged over the ranks yet; run a backward outside no_sync() first"
-                )
         grad = param.grad
         if grad is None:
             continue

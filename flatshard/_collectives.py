@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -194,6 +194,22 @@ def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
     if size_of(group) > 1:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
+
+
+def first_difference(items: List[str], comm: Communicator, device: torch.device) -> Optional[Tuple[int, str, str]]:
+    """``None`` if every rank passed the same ``items`` (one small all-gather); else a rank
+    that differs from rank 0 with rank 0's and its first differing item ("nothing" past the end)."""
+    if comm.world_size == 1:
+        return None
+    everyone = comm.gather_ints(fingerprint("\n".join(items)), device)
+    if len(set(everyone)) == 1:
+        return None
+    per_rank: List[List[str]] = all_gather_object(list(items), comm.group)
+    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
+    width = max(len(per_rank[0]), len(per_rank[other]))
+    first = next(i for i in range(width) if per_rank[0][i : i + 1] != per_rank[other][i : i + 1])
+    mine, theirs = (per_rank[r][first] if first < len(per_rank[r]) else "nothing" for r in (0, other))
+    return other, mine, theirs
 
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:

@@ -189,11 +189,9 @@ def _uncast_buffers(out: Dict[str, Any], inner: nn.Module, units: Sequence[Unit]
 def _gathered(handle: FlatParamHandle) -> Tuple[List[torch.Tensor], bool]:
     """Gather ``handle`` if needed: (its full per-parameter views, whether it was gathered
     already and so must stay so)."""
-    if handle.compute_dtype != handle.dtype:  # mixed precision: gather the parameters' own dtype
-        return handle.split_full(handle.gather_full_precision()), True
     before = handle.state is not HandleState.SHARDED
-    handle.unshard()
-    return handle.full_views(), before
+    views, in_full_tensor = handle.exact_views()
+    return views, before or not in_full_tensor
 
 
 def _full_values(handles: Sequence[FlatParamHandle], config: FullStateDictConfig) -> Dict[FlatParamHandle, List[torch.Tensor]]:
@@ -212,29 +210,30 @@ def _full_values(handles: Sequence[FlatParamHandle], config: FullStateDictConfig
 
 
 def _sharded_values(units: Sequence[Unit], offload: bool) -> Dict[FlatParamHandle, List[torch.Tensor]]:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     values = {}
     for unit in units:
-        if not unit.handles:
-            continue
-        if unit.device_mesh is None:
-            unit.device_mesh = mesh_of(unit.group, unit.device)
         for handle in unit.handles:
             views, before = _gathered(handle)
-            out = []
-            for view in views:
-                if view.dim() == 0:
-                    local, placements = view.clone(), [Replicate()]
-                else:
-                    local, placements = _chunk(view, unit.world_size, unit.rank).clone(), [Shard(0)]
-                if offload:
-                    local = local.cpu()
-                out.append(DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=view.shape, stride=view.stride()))
-            values[handle] = out
+            values[handle] = [as_dtensor(view, unit, offload) for view in views]
             if not before:
                 handle.reshard()
     return values
+
+
+def as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
+    """This rank's part of ``full`` as a ``DTensor`` on the unit's mesh: ``Shard(0)`` in
+    ``torch.chunk`` parts (``Replicate`` for 0-dim), optionally on the CPU."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if unit.device_mesh is None:
+        unit.device_mesh = mesh_of(unit.group, unit.device)
+    if full.dim() == 0:
+        local, placements = full.clone(), [Replicate()]
+    else:
+        local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
+    if offload:
+        local = local.cpu()
+    return DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:

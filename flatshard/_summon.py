@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import all_gather_object, fingerprint
+from ._collectives import first_difference
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
 from ._unit import Unit
@@ -76,7 +76,7 @@ def summon_full_params(
     check_idle(units, "summon_full_params")
     handles = [h for unit in units for h in unit.handles]
     if with_grads:
-        _check_grads_usable(handles)
+        check_grads_averaged(handles, "summon_full_params(with_grads=True)")
     if units:
         flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
         items = [flags] + [f"unit {display_name(u.name)}" for u in units]
@@ -129,19 +129,14 @@ def _empty_summoned(values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:
 
 def _summoned_params(handle: FlatParamHandle, writeback: bool, offload: bool, gathered_before: bool) -> Tuple[List[nn.Parameter], bool]:
     """The parameters to install, and whether they alias the full flat tensor."""
-    if handle.compute_dtype != handle.dtype:  # mixed precision: the parameters' own dtype, apart
-        tensors = handle.split_full(handle.gather_full_precision())
-        params = [nn.Parameter(t.cpu() if offload else t, requires_grad=handle.requires_grad) for t in tensors]
-        return params, False
-    handle.unshard()
-    views = handle.full_views()
+    views, in_full_tensor = handle.exact_views()  # (mixed precision: a full-precision copy)
     tensors = views
     if offload and handle.device.type != "cpu":
         tensors = [view.cpu() for view in views]
-    elif not writeback and (not handle.sharded or gathered_before):
+    elif in_full_tensor and not writeback and (not handle.sharded or gathered_before):
         tensors = [view.clone() for view in views]  # the full tensor outlives the context
     params = [nn.Parameter(t, requires_grad=handle.requires_grad) for t in tensors]
-    return params, tensors is views
+    return params, in_full_tensor and tensors is views
 
 
 def _write_back_all(units: Sequence[Unit], values: Dict[FlatParamHandle, List[nn.Parameter]], aliased: Dict[FlatParamHandle, bool]) -> None:
@@ -196,31 +191,26 @@ def _replacements(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter
     return replaced
 
 
-def _check_grads_usable(handles: Sequence[FlatParamHandle]) -> None:
+def check_grads_averaged(handles: Sequence[FlatParamHandle], what: str) -> None:
+    """Raise if a gradient still holds a ``no_sync`` backward not averaged over the ranks."""
     for handle in handles:
         if handle.holds_no_sync_grad():
             raise RuntimeError(
-                "summon_full_params(with_grads=True) after a backward under no_sync(): the gradients are "
-                "not averaged over the ranks yet; run a backward outside no_sync() first"
+                f"{what} after a backward under no_sync(): the gradients are not averaged over the ranks "
+                f"yet; run a backward outside no_sync() first"
             )
 
 
 def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
-    """Raise on every rank unless every rank passed the same ``items`` (one small all-gather;
-    a collective that only some ranks enter would hang), naming the first difference."""
-    if unit.world_size == 1:
-        return
-    everyone = unit.comm.gather_ints(fingerprint("\n".join(items)), unit.device)
-    if len(set(everyone)) == 1:
-        return
-    per_rank = all_gather_object(list(items), unit.group)
-    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
-    first = next(i for i in range(max(len(per_rank[0]), len(per_rank[other]))) if per_rank[0][i : i + 1] != per_rank[other][i : i + 1])
-    mine, theirs = (per_rank[r][first] if first < len(per_rank[r]) else "nothing" for r in (0, other))
-    raise RuntimeError(
-        f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
-        f"{mine}, rank {other} has {theirs}"
-    )
+    """Raise on every rank unless every rank passed the same ``items`` (a collective that
+    only some ranks enter would hang), naming the first difference."""
+    difference = first_difference(list(items), unit.comm, unit.device)
+    if difference is not None:
+        other, mine, theirs = difference
+        raise RuntimeError(
+            f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
+            f"{mine}, rank {other} has {theirs}"
+        )
 
 
 def forward_while_summoned(unit: Unit, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

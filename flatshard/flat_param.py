@@ -369,6 +369,15 @@ class FlatParamHandle:
             with torch.no_grad():
                 self.flat_param.detach().copy_(self._full_data[start : start + self.shard_numel])
 
+    def exact_views(self) -> Tuple[List[torch.Tensor], bool]:
+        """Every original parameter's full value in the parameters' own dtype, gathering as
+        needed: views of the gathered full flat tensor (``True``) or, under mixed precision,
+        of a separate full-precision gather that nothing else holds (``False``)."""
+        if self.compute_dtype != self.dtype:
+            return self.split_full(self.gather_full_precision()), False
+        self.unshard()
+        return self.full_views(), True
+
     def gather_full_precision(self) -> torch.Tensor:
         """A new full (padded) flat tensor in the parameters' own dtype, e.g. for state dicts
         under mixed precision, where the gathered tensor is in the compute dtype.

@@ -25,16 +25,15 @@ names, same scalar values), or flattening raises an error naming them.
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ._collectives import all_gather_object, broadcast_object, fingerprint, mesh_of
+from ._collectives import broadcast_object, first_difference
 from ._common import clean_name, join_name
 from ._plain_view import plain_view
-from ._state_dict import IsWrapper, _agree, _chunk, full_value, named_units
+from ._state_dict import IsWrapper, _agree, as_dtensor, full_value, named_units
 from ._unit import Unit
 from .api import OptimStateKeyType
 from .flat_param import FlatParameter, FlatParamHandle
@@ -142,48 +141,28 @@ def _unflatten(
             continue
         for name, part in zip(names, handle.split_full(full)):
             if sharded:
-                out[name][key] = _as_dtensor(part, unit, offload)
+                out[name][key] = as_dtensor(part, unit, offload)
             else:
                 out[name][key] = _copy(part, offload)
     return out
 
 
-def _as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if unit.device_mesh is None:
-        unit.device_mesh = mesh_of(unit.group, unit.device)
-    if full.dim() == 0:
-        local, placements = full.clone(), [Replicate()]
-    else:
-        local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
-    if offload:
-        local = local.cpu()
-    return DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-
-
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
     gathering it (one collective; see [Note: load agreement] in ``_state_dict``)."""
-    root = index.root
-    if root.world_size == 1:
-        return
     mine = []
     for param, state in zip(params, states):
         if id(param) in index.flat:
             keys = sorted((state or {}).keys())
             mine.append(f"{index.names_of(param)[0]}: {', '.join(keys) if state else 'no state'}")
-    everyone = root.comm.gather_ints(fingerprint("\n".join(mine)), root.device)
-    if len(set(everyone)) == 1:
-        return
-    per_rank = all_gather_object(mine, root.group)
-    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
-    first = next(i for i, (a, b) in enumerate(itertools.zip_longest(per_rank[0], per_rank[other])) if a != b)
-    raise RuntimeError(
-        f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
-        f"parameters): rank 0 has [{per_rank[0][first] if first < len(per_rank[0]) else 'nothing'}], rank "
-        f"{other} has [{per_rank[other][first] if first < len(per_rank[other]) else 'nothing'}]"
-    )
+    root = index.root
+    difference = first_difference(mine, root.comm, root.device)
+    if difference is not None:
+        other, first, theirs = difference
+        raise RuntimeError(
+            f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
+            f"parameters): rank 0 has [{first}], rank {other} has [{theirs}]"
+        )
 
 
 def gather_optim_state(
@@ -343,10 +322,6 @@ def _shard_of(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: to
     return shard
 
 
-def _scalar(value: Any, device: torch.device) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
 def _new_groups(index: OptimStateIndex, groups: Sequence[Sequence[torch.Tensor]], osd: Mapping[str, Any], group_of: Mapping[str, int]) -> List[Dict[str, Any]]:
     """The optimizer's param groups with the saved hyperparameters and parameter IDs."""
     if len(groups) != len(osd["param_groups"]):
@@ -403,12 +378,12 @@ def flatten_optim_state(
         if id(param) in index.flat:
             handle = index.flat[id(param)][0]
             state[pid] = {
-                key: _scalar(extra, handle.device) if kind == "scalar" else _shard_of(handle, names, key, extra, osd["state"])
+                key: _copy(extra, False) if kind == "scalar" else _shard_of(handle, names, key, extra, osd["state"])
                 for key, kind, extra in plan
             }
         else:
             comm = index.root.comm
-            state[pid] = {key: _scalar(full_value(v, comm), param.device) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for key, v in osd["state"][names[0]].items()}
+            state[pid] = {key: _copy(full_value(v, comm), False) for key, v in osd["state"][names[0]].items()}
     return {"state": state, "param_groups": new_groups}
 
 
@@ -442,7 +417,7 @@ def scatter_optim_state(
         entry: Dict[str, Any] = {}
         for key, kind, extra in plan:
             if kind == "scalar":
-                entry[key] = _scalar(extra, param.device)
+                entry[key] = _copy(extra, False)
             elif id(param) in index.flat:
                 entry[key] = _scatter_flat(index.flat[id(param)][0], names, key, extra, osd)
             else:

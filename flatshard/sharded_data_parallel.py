@@ -350,22 +350,17 @@ class ShardedDataParallel(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the
         unwrapped model's (the summoned full parameters, without wrapper prefixes), as in FSDP1."""
-        named = super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
-        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
-            yield from named
-            return
-        for name, param in named:
-            yield clean_name(name), param
+        return self._plain_names(super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:  # type: ignore[override]
         """As ``nn.Module.named_buffers``; inside ``summon_full_params`` with the unwrapped
         model's names, like ``named_parameters``."""
-        named = super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+        return self._plain_names(super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate))
+
+    def _plain_names(self, named: Iterator[Tuple[str, Any]]) -> Iterator[Tuple[str, Any]]:
         if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
-            yield from named
-            return
-        for name, buffer in named:
-            yield clean_name(name), buffer
+            return named
+        return ((clean_name(name), value) for name, value in named)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter of the model by their total norm over all

@@ -273,6 +273,15 @@ def assert_same_training(reference: Tuple[List[float], Dict[str, torch.Tensor]],
         torch.testing.assert_close(params[name].cpu(), expected.cpu(), rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+def error_text(call: Any, error: Any) -> str:
+    """The text of the ``error`` ``call()`` raises (an AssertionError if it raises none)."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    raise AssertionError(f"no {getattr(error, '__name__', error)} raised")
+
+
 def handles(model: nn.Module) -> List[Any]:
     return [h for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles]
 

@@ -11,7 +11,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import ShardedDataParallel, ShardingStrategy
-from tests._models import ATOL, RTOL, VOCAB, _train, batch, build, full_params, global_mean, lm_loss, local
+from tests._models import ATOL, RTOL, VOCAB, _train, batch, build, full_params, global_mean, lm_loss, local, error_text as _message
 
 summon = ShardedDataParallel.summon_full_params
 INF = math.inf
@@ -216,15 +216,6 @@ class TrainingTest(TestCase):
 
 
 # -- errors -----------------------------------------------------------------------------------
-
-
-def _message(call, error):
-    """The text of the ``error`` ``call()`` raises (an AssertionError if it raises none)."""
-    try:
-        call()
-    except error as exc:
-        return str(exc)
-    raise AssertionError(f"no {error.__name__} raised")
 
 
 def _bad_arguments(rank, world_size):

@@ -12,6 +12,7 @@ from flatshard._common import HandleState, TrainingState
 from flatshard._placeholder import ParamPlaceholder
 from flatshard.flat_param import FlatParameter
 from tests._models import (
+    error_text as _message,
     ATOL,
     RTOL,
     Outer,
@@ -37,15 +38,6 @@ def _close(actual, expected, what):
 
 def _model(strategy_name="FULL_SHARD", mode="nested"):
     return wrap(build(), mode, sharding_strategy=ShardingStrategy[strategy_name])
-
-
-def _message(call, error):
-    """The text of the ``error`` ``call()`` raises (an AssertionError if it raises none)."""
-    try:
-        call()
-    except error as exc:
-        return str(exc)
-    raise AssertionError(f"no {error.__name__} raised")
 
 
 def _enter(model, **flags):
