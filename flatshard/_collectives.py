@@ -17,7 +17,9 @@ makes the current stream wait for it, without blocking the host).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import pickle
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -189,11 +191,19 @@ def all_ranks_agree(text: str, group: ProcessGroup, device: torch.device) -> boo
 
 
 def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
-    """The group's first rank's ``obj`` on every rank (for metadata only)."""
-    box = [obj]
-    if size_of(group) > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    """The group's first rank's ``obj`` on every rank (for metadata only; see
+    [Note: object collectives])."""
+    if size_of(group) == 1:
+        return obj
+    comm = Communicator(group)
+    device = _object_device(group)
+    payload = _to_bytes(obj, device) if comm.rank == 0 else torch.empty(0, dtype=torch.uint8, device=device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    comm.broadcast_from_first(size)
+    if comm.rank != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    comm.broadcast_from_first(payload)
+    return _from_bytes(payload)
 
 
 def first_difference(items: List[str], comm: Communicator, device: torch.device) -> Optional[Tuple[int, str, str]]:
@@ -213,7 +223,39 @@ def first_difference(items: List[str], comm: Communicator, device: torch.device)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
-    """Every rank's ``obj``, in rank order (slow; for error reports and metadata only)."""
-    out: List[Optional[Any]] = [None] * size_of(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    """Every rank's ``obj``, in rank order (slow; for error reports and metadata only).
+
+    [Note: object collectives] torch's own object collectives (``all_gather_object``,
+    ``broadcast_object_list``) turn bytes back into objects through numpy, which torch does
+    not install: without numpy they fail with "Numpy is not available" -- in flatshard's
+    case, exactly on the error paths that are meant to explain a rank disagreement. So
+    flatshard pickles into a byte tensor itself and reads the bytes back without numpy.
+    """
+    comm = Communicator(group)
+    if comm.world_size == 1:
+        return [obj]
+    device = _object_device(group)
+    payload = _to_bytes(obj, device)
+    sizes = comm.gather_ints(payload.numel(), device)
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: payload.numel()].copy_(payload)
+    everyone = torch.empty(comm.world_size * max(sizes), dtype=torch.uint8, device=device)
+    comm.all_gather(everyone, padded)
+    return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
+
+
+def _object_device(group: ProcessGroup) -> torch.device:
+    """Where object payloads travel: NCCL communicates CUDA tensors only."""
+    if "nccl" in backend_of(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    data = bytearray(pickle.dumps(obj))
+    return torch.frombuffer(data, dtype=torch.uint8).clone().to(device) if data else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _from_bytes(payload: torch.Tensor) -> Any:
+    payload = payload.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(payload.data_ptr(), payload.numel()))

@@ -2,7 +2,6 @@
 
 import gc
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -165,13 +164,15 @@ def test_graph_built_outside_backward_inside() -> None:
     assert tracker.peak_bytes >= MiB
 
 
-def test_torch_tensor_and_numpy() -> None:
-    arr = np.zeros(N, dtype=np.float32)
+def test_foreign_memory_is_not_counted() -> None:
+    # Memory PyTorch's allocator did not allocate (a Python buffer here; numpy arrays and
+    # DLPack capsules behave the same) is not counted; a copy of it is.
+    buffer = bytearray(MiB)
     with track_allocations() as tracker:
-        shared = torch.from_numpy(arr)
-        also_shared = torch.as_tensor(arr)
-        assert tracker.live_bytes() == 0  # numpy's memory, allocated before
-        copied = torch.tensor(arr)
+        shared = torch.frombuffer(buffer, dtype=torch.float32)
+        also_shared = shared.view(-1, 4)
+        assert tracker.live_bytes() == 0  # the buffer's memory, allocated before
+        copied = shared.clone()
         assert approx(tracker.live_bytes(), MiB)
         small = torch.tensor([1.0, 2.0, 3.0, 4.0])
         assert approx(tracker.live_bytes(), MiB + 16)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
 from expecttest import TestCase
 
+from flatshard._collectives import broadcast_object
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
 from tests._memory import track_allocations
 from tests._models import Block, batch, build, lm_loss
@@ -138,9 +139,7 @@ def _resume(rank, world_size, directory, saved_at):
 
 def _broadcast_model(checkpoint, model):
     """The full model state dict on every rank (torch.save'd by rank 0)."""
-    box = [checkpoint["model"] if checkpoint is not None else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(checkpoint["model"] if checkpoint is not None else None, dist.group.WORLD)
 
 
 def _plain_interchange(rank, world_size):
