@@ -1,5 +1,15 @@
 from setuptools import find_packages, setup
 
+# The dependencies, as plain literals: tests/test_dependencies.py reads them (without running
+# this file) and checks every import of the library, tests, examples and benchmark against them.
+INSTALL_REQUIRES = ["torch>=2.4"]
+EXTRAS_REQUIRE = {
+    # torch.distributed.checkpoint (sharded checkpoints) needs NumPy on more than one rank, and
+    # torch does not install it.
+    "checkpoint": ["numpy"],
+    "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
+}
+
 setup(
     name="flatshard",
     version="0.1.0.dev0",
@@ -11,6 +21,6 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["flatshard", "flatshard.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
-    extras_require={"test": ["pytest>=7", "expecttest>=0.2"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
 )

@@ -22,6 +22,12 @@ import resource
 import sys
 import tempfile
 import time
+import warnings
+
+# torch warns at import when NumPy is missing, but training needs no NumPy (only --save/--resume
+# do, through torch.distributed.checkpoint: setup.py's `checkpoint` extra installs it). So exactly
+# that warning is silenced, before torch is imported; mp.spawn's ranks run this line again.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy: No module named 'numpy'", category=UserWarning)
 
 import torch
 import torch.distributed as dist

@@ -4,6 +4,17 @@
 ``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP``.
 """
 
+import warnings
+
+# [Note: torch's NumPy warning] torch warns when it is imported without NumPy ("Failed to
+# initialize NumPy: No module named 'numpy'"). flatshard never uses NumPy, so on a machine without
+# it that warning is noise (e.g. in every ``python -m flatshard.plan``). The filter is local to
+# this import of torch, where the warning is raised, and to exactly that message: the caller's
+# warning filters are left as they were.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy: No module named 'numpy'", category=UserWarning)
+    import torch  # noqa: F401
+
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -21,10 +32,15 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from . import comm_hooks
+from . import api, comm_hooks, fully_sharded_data_parallel, plan, sharded_grad_scaler, wrap
 from .flat_param import FlatParameter, FlatParamHandle
-from .plan import Plan, plan
+from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
+from .sharded_grad_scaler import ShardedGradScaler
+
+# ``wrap`` and ``plan`` are the submodules (FSDP1's ``wrap`` is a module), callable like their
+# functions; importing the functions here would shadow them. See [Note: callable modules].
 from .wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -33,11 +49,7 @@ from .wrap import (
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
-    wrap,
 )
-
-# FSDP1's class name, so that only the module in an import line has to change.
-FullyShardedDataParallel = ShardedDataParallel
 
 __version__ = "0.1.0.dev0"
 
@@ -47,6 +59,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "FlatParameter",
     "FlatParamHandle",
+    "ShardedGradScaler",
     "plan",
     "Plan",
     "always_wrap_policy",

@@ -21,6 +21,7 @@ from typing import (
 
 from torch import nn
 
+from ._callable_module import make_callable
 from ._common import clean_name, display_name
 
 __all__ = [
@@ -469,3 +470,8 @@ def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
     if config is None:
         return module
     return config.wrapper_cls(module, **{**config.kwargs, **wrap_overrides})
+
+
+# ``flatshard.wrap`` is this module (as ``torch.distributed.fsdp.wrap`` is), and calling it calls
+# ``wrap`` above; see [Note: callable modules].
+make_callable(__name__)

@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._callable_module import make_callable
 from .._common import clean_name
 import torch.distributed as dist
 
@@ -295,3 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             model = factory()
     plan(model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy])
 
+
+
+# ``flatshard.plan`` is this package (``import flatshard.plan as P``, ``from flatshard.plan import
+# Plan``) and ``flatshard.plan(...)`` calls ``plan`` above; see [Note: callable modules].
+make_callable(__name__)

@@ -1,0 +1,172 @@
+"""An optimizer built before wrapping fails at its first ``step()`` instead of training nothing.
+
+[Note: stale optimizers] Wrapping moves the original parameters' values into ``FlatParameter``s
+and empties the original ``nn.Parameter`` objects (see [Note: emptied originals] in
+``flat_param``). An optimizer built before wrapping still holds those objects; stepping them
+would change nothing and raise nothing. So each root wrapper registers a torch global optimizer
+step pre-hook that raises when an optimizer about to step holds one of its model's originals,
+naming the parameter as the user names it at that moment (its path from the outermost wrapper,
+so a unit nested into an outer one later is named from the outer one).
+
+Cost per ``optimizer.step()`` (of every optimizer in the process, flatshard's or not): the
+parameters of an optimizer are looked at only when its param groups have not been seen by this
+hook: at its first step, after ``add_param_group``, or when ``param_groups`` or a group's
+parameter list was replaced or changed length. Otherwise the hook compares those lists by
+identity and length: O(number of param groups).
+
+Lifetime: each wrapper registers when it is constructed, then is a root. A wrapper built by hand
+and later nested into an outer one is covered by the outer wrapper's registration (every unit
+under it), so its own registration is removed when the outer wrapper is built; the inner units of
+an auto-wrap policy are built inside the root's constructor and never register. The hook holds
+the unit weakly (it does not keep a model alive) and is removed when the wrapper is garbage
+collected -- see [Note: removing a global hook safely].
+
+[Note: removing a global hook safely] torch calls the global pre-hooks while iterating over its
+hook dict, so removing an entry during that loop makes the optimizer step being run fail
+("OrderedDict mutated during iteration"). A garbage collection can start inside that loop (any
+hook that allocates) and collect a dead model. So a registration is removed only when no thread is
+running code of ``torch.optim.optimizer``; otherwise the removal is retried after the next
+garbage collection (until then the hook finds its unit gone and does nothing).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from ._unit import Unit
+
+__all__ = ["StaleOptimizerCheck", "watch_stale_optimizers"]
+
+# Where torch iterates the global optimizer hooks (see [Note: removing a global hook safely]).
+_OPTIMIZER_SOURCE = torch.optim.Optimizer.profile_hook_step.__code__.co_filename
+
+# What an optimizer's param groups were when checked: the ``param_groups`` list and each group's
+# parameter list with its length (kept, so that they are compared by identity).
+_Seen = Tuple[List[Dict[str, Any]], Tuple[Tuple[List[Any], int], ...]]
+
+
+def watch_stale_optimizers(wrapper: nn.Module, unit: Unit) -> "StaleOptimizerCheck":
+    """Register the check for ``unit`` (a new wrapper's, a root for now) and remove the checks of
+    the wrappers nested in it, whose units it adopted. See [Note: stale optimizers]."""
+    adopted = {id(u) for _, u in unit.descendants}
+    for module in wrapper.modules():
+        for value in vars(module).values():
+            if isinstance(value, StaleOptimizerCheck) and value.unit_id in adopted:
+                value.retire()
+    return StaleOptimizerCheck(wrapper, unit)
+
+
+class StaleOptimizerCheck:
+    """The global optimizer step pre-hook of one wrapper (see [Note: stale optimizers]).
+
+    Args:
+        wrapper: the wrapper; the hook is removed when it is garbage collected.
+        unit: its unit; the hook checks the originals of this unit and every unit under it.
+    """
+
+    def __init__(self, wrapper: nn.Module, unit: Unit) -> None:
+        self._unit = weakref.ref(unit)
+        self.unit_id = id(unit)
+        self._model_class = type(getattr(wrapper, "module", wrapper)).__name__
+        self._seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen]" = weakref.WeakKeyDictionary()
+        self._handle = register_optimizer_step_pre_hook(self._before_step)
+        self._finalizer = weakref.finalize(wrapper, _remove_when_safe, self._handle)
+        self._finalizer.atexit = False
+
+    def retire(self) -> None:
+        """Stop checking (an outer wrapper's check covers this unit now)."""
+        self._finalizer.detach()
+        _remove_when_safe(self._handle)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        unit = self._unit()
+        if unit is None:
+            return None
+        groups = optimizer.param_groups
+        seen = self._seen.get(optimizer)
+        if seen is not None and _unchanged(seen, groups):
+            return None
+        stale = _stale_params(unit, groups)
+        if stale:
+            raise ValueError(_message(optimizer, stale, self._model_class))
+        self._seen[optimizer] = (groups, tuple((g["params"], len(g["params"])) for g in groups))
+        return None
+
+
+def _unchanged(seen: _Seen, groups: List[Dict[str, Any]]) -> bool:
+    groups_then, params_then = seen
+    if groups is not groups_then or len(groups) != len(params_then):
+        return False
+    for group, (params, length) in zip(groups, params_then):
+        current = group["params"]
+        if current is not params or len(current) != length:
+            return False
+    return True
+
+
+def _stale_params(unit: Unit, groups: List[Dict[str, Any]]) -> List[str]:
+    """The user-facing names of the original parameters of ``unit`` and the units under it
+    that the optimizer's param groups hold, in the optimizer's order."""
+    names: Dict[int, Tuple[nn.Parameter, str]] = {}
+    for member in [unit] + [u for _, u in unit.descendants]:
+        prefix = member.name  # its path from the outermost wrapper ("" for that one)
+        for handle in member.handles:
+            for param, name in handle.originals():
+                names[id(param)] = (param, f"{prefix}.{name}" if prefix else name)
+    found = []
+    for group in groups:
+        for param in group["params"]:
+            hit = names.get(id(param))
+            if hit is not None and hit[0] is param:
+                found.append(hit[1])
+    return found
+
+
+def _message(optimizer: torch.optim.Optimizer, stale: List[str], model_class: str) -> str:
+    kind = type(optimizer).__name__
+    more = f" (and {len(stale) - 1} more of its parameters)" if len(stale) > 1 else ""
+    return (
+        f"{kind}.step(): this optimizer holds parameter '{stale[0]}' of the wrapped {model_class}{more} as "
+        f"it was before ShardedDataParallel wrapped the model; wrapping moved its values into a "
+        f"FlatParameter and left it empty (0 elements), so this optimizer would train nothing. Create the "
+        f"optimizer after wrapping, from the wrapped model's parameters: {kind}(model.parameters(), ...)"
+    )
+
+
+def _remove_when_safe(handle: RemovableHandle) -> None:
+    """Remove a global optimizer hook now, or after the next garbage collection if an optimizer
+    step may be iterating the hooks (see [Note: removing a global hook safely])."""
+    if _in_optimizer_code():
+        _Retry.arm(handle)
+    else:
+        handle.remove()
+
+
+def _in_optimizer_code() -> bool:
+    """Whether any thread is running code of ``torch.optim.optimizer`` (e.g. a step's hook loop)."""
+    for frame in sys._current_frames().values():
+        current: Optional[Any] = frame
+        while current is not None:
+            if current.f_code.co_filename == _OPTIMIZER_SOURCE:
+                return True
+            current = current.f_back
+    return False
+
+
+class _Retry:
+    """An object in a reference cycle: garbage at once, freed by the next garbage collection,
+    which then calls ``_remove_when_safe`` again."""
+
+    def __init__(self) -> None:
+        self.cycle = self
+
+    @staticmethod
+    def arm(handle: RemovableHandle) -> None:
+        weakref.finalize(_Retry(), _remove_when_safe, handle).atexit = False

@@ -1,0 +1,30 @@
+"""CI runs exactly the README's two set-up commands, in a fresh virtual environment."""
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup_section_bash_blocks():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Set-up\n(.*?)(?=^## )", readme, re.S | re.M).group(1)
+    return [line for block in re.findall(r"^```bash\n(.*?)^```", section, re.S | re.M) for line in block.splitlines() if line]
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    done = subprocess.run(["bash", ".ci/run", "--print-commands"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.splitlines()
+    assert commands == _setup_section_bash_blocks()
+    example, suite = commands
+    assert example.endswith("python examples/train_gpt.py")
+    assert suite.endswith("python -m pytest tests")
+    assert '".[test]"' in suite
+
+
+def test_ci_uses_a_fresh_environment_without_system_packages():
+    script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"^python3 -m venv ", script, re.M)
+    assert "--system-site-packages" not in script
