@@ -67,12 +67,17 @@ class Pending:
         self._finish = finish
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        self.drain()
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
+
+    def drain(self) -> None:
+        """Complete the collective but skip its finishing step (its result is not wanted;
+        the collective itself must still complete on every rank)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
 
 
 class Communicator:

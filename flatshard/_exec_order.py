@@ -24,6 +24,7 @@ class ExecOrder(Generic[_U]):
         self._post_forward: List[_U] = []
         self._post_forward_index: Dict[_U, int] = {}
         self._this_forward: List[_U] = []  # every pre-forward of the current root forward
+        self._first_sequence: List[_U] = []  # every pre-forward of the first root forward
 
     def record_pre_forward(self, unit: _U) -> None:
         self._this_forward.append(unit)
@@ -45,7 +46,14 @@ class ExecOrder(Generic[_U]):
 
     def freeze_forward_order(self) -> None:
         """Called when the root's first forward ends."""
+        if not self._forward_frozen:
+            self._first_sequence = list(self._this_forward)
         self._forward_frozen = True
+
+    def same_as_first(self) -> bool:
+        """Whether the current root forward ran its units exactly as the first one did
+        (repeated units included)."""
+        return self._this_forward == self._first_sequence
 
     def record_post_forward(self, unit: _U) -> None:
         if unit not in self._post_forward_index:

@@ -135,10 +135,14 @@ def _precision(config: UnitConfig, module: nn.Module) -> Tuple[UnitConfig, Optio
     """The unit's mixed precision: none for modules MixedPrecision keeps in full precision
     (BatchNorm), which compute in their parameters' dtype instead."""
     mp = config.mixed_precision
-    if mp is None or mp.param_dtype is None and mp.reduce_dtype is None:
+    if mp is None:
         return config, None
-    if mp.param_dtype is not None and isinstance(module, tuple(mp._module_classes_to_ignore)):
+    dtypes = (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype)
+    if any(d is not None for d in dtypes) and isinstance(module, tuple(mp._module_classes_to_ignore)):
+        # (whichever dtype is given: FSDP1 applies none of them to such a module)
         return dataclasses.replace(config, full_precision=True), None
+    if mp.param_dtype is None and mp.reduce_dtype is None:
+        return config, None
     return config, Precision(mp.param_dtype, mp.reduce_dtype, mp.keep_low_precision_grads)
 
 

@@ -39,6 +39,7 @@ def materialize(
     """Materialise and initialise ``params`` (the unit's registrations) and the buffers of
     ``modules`` (the unit's own modules, with names relative to its module at ``prefix``);
     returns the registrations with their new parameter objects."""
+    modules = _with_outside_holders(params, modules)
     holders = {id(p.module) for p in params if p.param.is_meta}
     targets = [(name, m) for name, m in modules if id(m) in holders or _meta_buffers(m)]
     if param_init_fn is not None:
@@ -53,6 +54,26 @@ def materialize(
     if left:
         raise ValueError(f"param_init_fn left {', '.join(repr(n) for n in left)} on the meta device")
     return refreshed
+
+
+def _with_outside_holders(params: Sequence[OrigParam], modules: _Modules) -> List[Tuple[str, nn.Module]]:
+    """``modules`` and, after them, the modules outside them that register one of ``params``.
+
+    [Note: ties owned from outside] A parameter tied between modules that became units of
+    their own belongs to the unit enclosing both (see [Note: tied parameters in a plan] in
+    ``_planning``), so its registering modules are not among that unit's own modules; they
+    still are what initialises it (their ``reset_parameters()`` or ``param_init_fn``). Coming
+    last, they are initialised first (children first), so the unit's own modules have the last
+    word, and among them the first registration wins, as when the model is built on a real
+    device and then tied.
+    """
+    known = {id(m) for _, m in modules}
+    extra: List[Tuple[str, nn.Module]] = []
+    for p in params:
+        if p.param.is_meta and id(p.module) not in known:
+            known.add(id(p.module))
+            extra.append((p.module_name, p.module))
+    return list(modules) + extra
 
 
 def _reset(modules: _Modules, targets: _Modules, prefix: str) -> None:

@@ -89,13 +89,17 @@ def _add_full_precision_units(
     """With mixed precision and a policy, the module classes MixedPrecision keeps in full
     precision (BatchNorm) become units of their own, as FSDP1 wraps them (see ``_init._precision``)."""
     mp = coerce_config(options["mixed_precision"], MixedPrecision, "mixed_precision")
-    if options["auto_wrap_policy"] is None or mp is None or mp.param_dtype is None:
+    if options["auto_wrap_policy"] is None or mp is None or not _casts(mp):
         return
     classes = tuple(mp._module_classes_to_ignore)
     inside_units = {id(m) for w in root.modules() if isinstance(w, wrapper_cls) for m in w.modules()}
     for module in root.modules():
         if module is not root and isinstance(module, classes) and id(module) not in inside_units and id(module) not in ignored[0]:
             targets.setdefault(module, {})
+
+
+def _casts(mp: MixedPrecision) -> bool:
+    return any(d is not None for d in (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype))
 
 
 def unit_options(options: Dict[str, Any], unit: PlannedUnit) -> Dict[str, Any]:

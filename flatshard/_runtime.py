@@ -1,15 +1,18 @@
 """Forward and backward of a unit: when to gather, free and reduce.
 
 [Note: unit life cycle] Per iteration a unit goes IDLE -> FORWARD -> IDLE (its forward),
-then IDLE -> BACKWARD_PRE (a hook on one of its forward outputs received a gradient: its
-backward is about to run, so gather) -> BACKWARD_POST (its backward is done: gradients
-reduced, parameters freed) -> IDLE (the root's end-of-backward callback). A unit has one
-handle per group of parameters sharing dtype and ``requires_grad``; each finishes on its own.
-A trainable handle is done when autograd has accumulated its full gradient (nothing in the
-backward can need its parameters after that); frozen handles are done when the gradients of
-the unit's forward inputs and its trainable handles are (see [Note: frozen handles]). The callback is queued by whichever hook fires first
-in a backward; it frees whatever is still gathered (a unit whose parameters got no gradient,
-a frozen unit whose inputs need none, a mistargeted prefetch) and starts a new iteration.
+then IDLE -> BACKWARD_PRE (its backward is about to run: a hook on one of its forward outputs
+received a gradient, or autograd unpacked one of its saved parameters, see [Note: saved
+parameters] in ``_saved``) -> BACKWARD_POST (its backward is done: gradients reduced,
+parameters freed) -> IDLE (the root's end-of-backward callback). A unit has one handle per
+group of parameters sharing dtype and ``requires_grad``; each finishes on its own. A trainable
+handle is done when autograd has accumulated its full gradient (nothing in the backward can
+need its parameters to compute a gradient of them after that); frozen handles are done when
+the gradients of the unit's forward inputs and its trainable handles are (see [Note: frozen
+handles]). The callback is queued by whichever hook fires first in a backward; it reduces what
+``no_sync`` left behind, frees whatever is still gathered (a unit whose parameters got no
+gradient, a frozen unit whose inputs need none, a mistargeted prefetch, a parameter read again
+after its unit's backward) and starts a new iteration.
 
 [Note: when parameters are freed] After forward: FULL_SHARD units except the root (its
 backward starts immediately), and units nothing in backward can need. Without autograd
@@ -17,14 +20,15 @@ backward starts immediately), and units nothing in backward can need. Without au
 since no backward can follow. After backward: every sharded unit. Kept until the end of
 backward instead: a unit whose parameters require grad but whose outputs carry no tensor
 that requires grad (its outputs may hide tensors in containers we cannot see), and a unit
-whose output shares its parameters' memory (e.g. it returns a weight) -- freeing memory that
-backward then reads would crash.
+whose output shares its parameters' memory (e.g. it returns a weight) -- code outside any
+forward may read that output in backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +38,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from ._collectives import all_gather_object, fingerprint
 from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
+from ._saved import SavedParamGuard
 from ._unit import BackwardState, RootContext, Unit
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle
@@ -43,12 +48,34 @@ _FORWARD = TrainingState.FORWARD
 _BACKWARD_PRE = TrainingState.BACKWARD_PRE
 _BACKWARD_POST = TrainingState.BACKWARD_POST
 
+# How many gradient reductions may be in flight at once (each holds a full gradient).
+MAX_REDUCTIONS_IN_FLIGHT = 2
+# How many units a prefetch may gather ahead of their use under limit_all_gathers.
+MAX_PREFETCHED = 2
+
 
 def register_hooks(unit: Unit) -> None:
-    """Hook the gradient accumulation of a unit's trainable handles (once, at construction)."""
-    for handle in unit.trainable:
-        hook = functools.partial(_post_backward, unit, handle)
-        unit.hook_handles.append(handle.grad_leaf.register_post_accumulate_grad_hook(hook))
+    """Hook the gradient accumulation of the unit's handles that require grad (now; the
+    others when they first do, see ``_hook_new_trainables``)."""
+    _hook_new_trainables(unit)
+
+
+def _hook_new_trainables(unit: Unit) -> None:
+    # The hook holds the unit weakly: it lives on the full flat tensor (in C++, out of the
+    # garbage collector's sight), which the unit owns; a strong reference would keep every
+    # deleted model alive.
+    ref = weakref.ref(unit)
+    for handle in unit.handles:
+        handle.sync_requires_grad()
+        if handle.requires_grad and handle not in unit.grad_hooks:
+            hook = functools.partial(_post_backward_hook, ref, weakref.ref(handle))
+            unit.grad_hooks[handle] = handle.grad_leaf.register_post_accumulate_grad_hook(hook)
+
+
+def _post_backward_hook(unit_ref: "weakref.ref[Unit]", handle_ref: "weakref.ref[FlatParamHandle]", leaf: torch.Tensor) -> None:
+    unit, handle = unit_ref(), handle_ref()
+    if unit is not None and handle is not None:
+        _post_backward(unit, handle, leaf)
 
 
 def _in_backward() -> bool:
@@ -71,7 +98,8 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
     args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
     _pre_forward(unit, ctx, (args, kwargs))
     try:
-        output = module(*args, **kwargs)
+        with _guard_saved(ctx):
+            output = module(*args, **kwargs)
     except BaseException:
         if unit.training_state is _FORWARD:
             unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
@@ -82,6 +110,16 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
     if unit.is_root:
         _root_post_forward(ctx)
     return output
+
+
+def _guard_saved(ctx: RootContext) -> Any:
+    """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
+    (activation checkpointing) keeps its unit gathered until its backward instead."""
+    if not torch.is_grad_enabled() or _in_backward() or not ctx.freeable:
+        return contextlib.nullcontext()
+    if ctx.saved_guard is None:
+        ctx.saved_guard = SavedParamGuard(ctx.freeable, functools.partial(_gather_saved, weakref.ref(ctx)))
+    return ctx.saved_guard.active()
 
 
 def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[torch.dtype]]:
@@ -106,11 +144,27 @@ def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> T
 def _root_pre_forward(ctx: RootContext) -> None:
     if _in_backward():
         return
+    settle(ctx)
     ctx.gathered_in_forward.clear()
     ctx.exec_order.start_forward()
-    if ctx.backward_state is BackwardState.CALLBACK_QUEUED:
-        # The last backward raised, so autograd never ran its end-of-backward callback.
+    _refresh_stale(ctx)
+
+
+def settle(ctx: Optional[RootContext]) -> None:
+    """If the last backward raised (autograd never ran its end-of-backward callback), clean
+    up now: outside a backward, a queued callback means exactly that."""
+    if ctx is not None and ctx.backward_state is BackwardState.CALLBACK_QUEUED and not _in_backward():
         _finalize_backward(ctx, failed=True)
+
+
+def _refresh_stale(ctx: RootContext) -> None:
+    """Gather again every unit still gathered from an earlier forward whose backward never
+    ran: its shards may have changed since (see [Note: stale gathers] in ``flat_param``)."""
+    for unit in ctx.units:
+        if any(h.separate_full and h.state is not HandleState.SHARDED for h in unit.handles):
+            _check_order(ctx, token(GATHER, ctx.index[unit]))
+            for handle in unit.handles:
+                handle.refresh(async_op=True)
 
 
 def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
@@ -122,16 +176,17 @@ def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
         unit.move((_IDLE,), _FORWARD)
     if not unit.handles:
         return
+    _hook_new_trainables(unit)
     recompute = _in_backward()
     if not recompute:
         ctx.exec_order.record_pre_forward(unit)
     _consume_prefetch(ctx, unit)
-    if _gather(unit, ctx):
+    if _gather(unit, ctx, unit.handles):
         ctx.gathered_in_forward.add(unit)
     if unit.config.forward_prefetch and not recompute:
         target = ctx.exec_order.next_in_forward(unit)
-        if _prefetch(ctx, target):
-            ctx.gathered_in_forward.add(target)  # type: ignore[arg-type]
+        if target is not None and _prefetch(ctx, target):
+            ctx.gathered_in_forward.add(target)
     for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
         handle.use_views(track_grad=torch.is_grad_enabled())
     if unit.frozen and torch.is_grad_enabled() and not recompute:
@@ -176,28 +231,28 @@ def _root_post_forward(ctx: RootContext) -> None:
             _free(unit)  # also unused forward prefetches
         ctx.prefetched.clear()
         ctx.checking = False  # no backward follows: the first iteration is over
-    elif order != ctx.exec_order.first_forward():
+    elif not ctx.exec_order.same_as_first():
         ctx.checking = True  # the order changed: check this iteration's backward collectives
     ctx.gathered_in_forward.clear()
 
 
-def _gather(unit: Unit, ctx: RootContext) -> bool:
-    """Issue the all-gathers of ``unit``'s sharded handles (asynchronously); ``False`` if
-    none was needed (a unit is never gathered twice)."""
-    if not any(h.state is HandleState.SHARDED for h in unit.handles):
+def _gather(unit: Unit, ctx: RootContext, handles: Sequence[FlatParamHandle]) -> bool:
+    """Issue the all-gathers of those of ``handles`` that are sharded (asynchronously);
+    ``False`` if none was (a handle is never gathered twice)."""
+    if not any(h.state is HandleState.SHARDED for h in handles):
         return False
     _check_order(ctx, token(GATHER, ctx.index[unit]))
-    for handle in unit.handles:
+    for handle in handles:
         handle.unshard(async_op=True)
     return True
 
 
-def _prefetch(ctx: RootContext, target: Optional[Unit]) -> bool:
-    """Gather ``target`` ahead of its use. With ``limit_all_gathers`` at most two units wait
-    gathered ahead of their use at a time."""
-    if target is None or (target.config.limit_all_gathers and len(ctx.prefetched) >= 2):
+def _prefetch(ctx: RootContext, target: Unit) -> bool:
+    """Gather ``target`` ahead of its use. With ``limit_all_gathers`` at most
+    ``MAX_PREFETCHED`` units wait gathered ahead of their use at a time."""
+    if target.config.limit_all_gathers and len(ctx.prefetched) >= MAX_PREFETCHED:
         return False
-    if not _gather(target, ctx):
+    if not _gather(target, ctx, target.handles):
         return False
     ctx.prefetched.append(target)
     return True
@@ -215,34 +270,34 @@ def _free(unit: Unit) -> None:
 
 def _check_order(ctx: RootContext, value: int) -> None:
     """One order check (see [Note: order check]) while checking."""
-    if ctx.checking and ctx.comm.world_size > 1:
-        values = ctx.comm.gather_ints(value, ctx.root.device)
-        problem = mismatch(values, [_label(u) for u in ctx.units])
+    if not ctx.checking:
+        return
+    for comm in ctx.check_comms:
+        problem = mismatch(comm.gather_ints(value, ctx.root.device), [_label(u) for u in ctx.units])
         if problem is not None:
             raise RuntimeError(
-                f"[rank {ctx.comm.rank}] the ranks ran different units (every rank must run the same "
+                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
                 f"units in the same order, e.g. no data-dependent skipping): {problem}"
             )
 
 
 def _check_forward_order(ctx: RootContext, order: List[Unit]) -> None:
     """The one check every root forward makes: did all ranks run the same units in order?"""
-    if ctx.comm.world_size == 1:
-        return
     names = [_label(u) for u in order]
-    values = ctx.comm.gather_ints(fingerprint("\n".join(names)), ctx.root.device)
-    problem = mismatch(values, [_label(u) for u in ctx.units])
-    if problem is None:
-        return
-    if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
-        everyone = all_gather_object(names, ctx.root.group)
-        first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
-        ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
-        problem = f"unit #{first} of this forward differs: {ran}"
-    raise RuntimeError(
-        f"[rank {ctx.comm.rank}] the ranks ran different units (every rank must run the same units "
-        f"in the same order, e.g. no data-dependent skipping): {problem}"
-    )
+    for comm in ctx.check_comms:
+        values = comm.gather_ints(fingerprint("\n".join(names)), ctx.root.device)
+        problem = mismatch(values, [_label(u) for u in ctx.units])
+        if problem is None:
+            continue
+        if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
+            everyone = all_gather_object(names, comm.group)
+            first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
+            ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
+            problem = f"unit #{first} of this forward differs: {ran}"
+        raise RuntimeError(
+            f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
+            f"in the same order, e.g. no data-dependent skipping): {problem}"
+        )
 
 
 def _label(unit: Unit) -> str:
@@ -263,40 +318,68 @@ def _hook_inputs_for_frozen_handles(unit: Unit, inputs: Any) -> None:
 
 def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
     """Hook on a forward output of ``unit``: its backward is about to run."""
-    ctx = unit.ctx
-    _queue_finalizer(ctx)  # type: ignore[arg-type]
+    _begin_backward(unit)
+    return None
+
+
+def _begin_backward(unit: Unit) -> None:
+    """Gather what ``unit``'s backward needs: everything if its backward has not started in
+    this backward pass; else the handles still pending or frozen that were freed meanwhile
+    (another output or use of the unit). Trainable handles whose gradient is complete are not
+    needed again (e.g. a hook on an input the unit passed through)."""
+    ctx = _ctx(unit)
+    _queue_finalizer(ctx)
     state = unit.training_state
     if state is _IDLE:
         needed = list(unit.handles)
+        unit.move((_IDLE,), _BACKWARD_PRE)
+        unit.pending.update(needed)
     else:
-        # Another output or another use of the unit. Trainable handles whose gradient is
-        # complete are not needed again in this backward (e.g. a hook on an input the unit
-        # passed through); frozen handles freed meanwhile are gathered again.
-        needed = [h for h in unit.frozen if h.state is HandleState.SHARDED]
+        needed = [h for h in unit.handles if (h in unit.pending or not h.requires_grad) and h.state is HandleState.SHARDED]
         if not needed:
-            return None
-    if state is not _BACKWARD_PRE:
-        unit.move((_IDLE, _BACKWARD_POST), _BACKWARD_PRE)
-    unit.pending.update(needed)
-    _consume_prefetch(ctx, unit)  # type: ignore[arg-type]
+            return
+        if state is _BACKWARD_POST:
+            unit.move((_BACKWARD_POST,), _BACKWARD_PRE)
+        unit.pending.update(needed)
+    _consume_prefetch(ctx, unit)
     for handle in needed:
         handle.drop_grad_if_zeroed()
-    if any(h.state is HandleState.SHARDED for h in needed):
-        _check_order(ctx, token(GATHER, ctx.index[unit]))  # type: ignore[union-attr]
-        for handle in needed:
-            handle.unshard(async_op=True)
-    if state is not _BACKWARD_PRE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    _gather(unit, ctx, needed)
+    if state is _IDLE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_for_backward(unit)
     for handle in needed:
         # Views back on the modules, under autograd, for code that re-runs forward pieces
         # in backward (activation checkpointing) and reads the parameters from the modules.
         handle.use_views(track_grad=True)
-    return None
+
+
+def _gather_saved(ctx_ref: "weakref.ref[RootContext]", key: int) -> None:
+    """Autograd unpacks a saved parameter view of the full flat tensor with storage ``key``
+    (see [Note: saved parameters] in ``_saved``): make sure it is gathered."""
+    ctx = ctx_ref()
+    if ctx is None:
+        raise AssertionError("a saved parameter of a ShardedDataParallel model that no longer exists was unpacked")
+    unit, handle = ctx.freeable[key]
+    if handle.state is HandleState.SHARDED and unit.training_state in (_IDLE, _BACKWARD_PRE):
+        _begin_backward(unit)  # its backward starts here (before any output hook fired)
+    if handle.state is HandleState.SHARDED:
+        # Its backward is done (or it is frozen and was freed); read again, e.g. through a
+        # .detach(): gather it once more, until the end of the backward.
+        _queue_finalizer(ctx)
+        _gather(unit, ctx, [handle])
+    handle.wait()
+
+
+def _ctx(unit: Unit) -> RootContext:
+    if unit.ctx is None:
+        raise AssertionError(f"{unit.where()}: backward hook of a unit without a root context")
+    return unit.ctx
 
 
 def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> None:
     """Hook after autograd accumulated ``handle``'s full gradient: reduce it and free."""
-    _queue_finalizer(unit.ctx)  # type: ignore[arg-type]
+    ctx = _ctx(unit)
+    _queue_finalizer(ctx)
     if unit.training_state is _IDLE:
         # No output hook fired (outputs we could not see into); everything stayed gathered.
         unit.move((_IDLE,), _BACKWARD_PRE)
@@ -308,12 +391,11 @@ def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> N
         )
     if handle.state is not HandleState.UNSHARDED:
         raise AssertionError(f"{unit.where()}: gradient computed while the parameters were freed")
-    ctx = unit.ctx
     if unit.sync_gradients:
         if unit.world_size > 1:
-            _check_order(ctx, token(REDUCE, ctx.index[unit]))  # type: ignore[union-attr]
+            _check_order(ctx, token(REDUCE, ctx.index[unit]))
         if handle.reduce_grad(async_op=True):
-            _track_reduction(ctx, handle)  # type: ignore[arg-type]
+            _track_reduction(ctx, handle)
     else:
         handle.hold_grad_for_later()
     handle.reshard()
@@ -321,10 +403,10 @@ def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> N
 
 
 def _track_reduction(ctx: RootContext, handle: FlatParamHandle) -> None:
-    """Reductions run while later units compute their gradients; at most two stay in flight
-    (each holds a full gradient), the end of backward completes the rest."""
+    """Reductions run while later units compute their gradients; at most
+    ``MAX_REDUCTIONS_IN_FLIGHT`` stay in flight, the end of backward completes the rest."""
     ctx.reducing.append(handle)
-    while len(ctx.reducing) > 2:
+    while len(ctx.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
         ctx.reducing.pop(0).finish_reduction()
 
 
@@ -343,7 +425,8 @@ def _done(unit: Unit, finished: Sequence[FlatParamHandle]) -> None:
     gradient of something upstream of it: an input of the unit, or (in a unit that also has
     trainable parameters) a trainable parameter. So frozen handles are freed once the input
     gradients of every forward of this iteration are complete (a unit may run several times)
-    and all trainable handles are done.
+    and all trainable handles are done. (Autograd reading one later anyway, e.g. a side
+    loss term, gathers it again: [Note: saved parameters] in ``_saved``.)
     """
     unit.pending.difference_update(finished)
     frozen_pending = [h for h in unit.frozen if h in unit.pending]
@@ -361,23 +444,67 @@ def _prefetch_for_backward(unit: Unit) -> None:
     def waiting(candidate: Unit) -> bool:
         return candidate.training_state is _IDLE and any(h.state is HandleState.SHARDED for h in candidate.handles)
 
-    ctx = unit.ctx
-    _prefetch(ctx, ctx.exec_order.next_in_backward(unit, waiting))  # type: ignore[union-attr, arg-type]
+    ctx = _ctx(unit)
+    target = ctx.exec_order.next_in_backward(unit, waiting)
+    if target is not None:
+        _prefetch(ctx, target)
 
 
 def _queue_finalizer(ctx: RootContext) -> None:
     if ctx.backward_state is BackwardState.IDLE:
         ctx.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
         Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, ctx))
+        _check_backward_agrees(ctx)
+
+
+def _check_backward_agrees(ctx: RootContext) -> None:
+    """[Note: backward agreement] Ranks whose backward passes reach different units (one
+    rank leaves a unit's output, or a side loss, out of its loss) would issue different
+    gathers and reductions, which hang or pair the wrong tensors. So when a backward first
+    reaches one of the root's units, the ranks compare, with one small all-gather, which
+    handles will receive a gradient in this backward (autograd knows which gradient
+    accumulators its graph task will run); if they differ, every rank raises the same error
+    before any collective of the backward."""
+    if not ctx.check_comms:
+        return
+    reached = [f"{_label(unit)}#{i}" for unit in ctx.units for i, h in enumerate(unit.handles) if _will_accumulate(h)]
+    for comm in ctx.check_comms:
+        values = comm.gather_ints(fingerprint("\n".join(reached)), ctx.root.device)
+        if len(set(values)) == 1:
+            continue
+        everyone = all_gather_object(reached, comm.group)
+        union = sorted(set().union(*everyone))
+        lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
+        raise RuntimeError(
+            f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
+            f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
+            f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
+            + "; ".join(lines)
+        )
+
+
+def _will_accumulate(handle: FlatParamHandle) -> bool:
+    """Whether the running backward will accumulate a gradient into ``handle``'s full flat tensor."""
+    leaf = handle.grad_leaf
+    if not leaf.requires_grad:
+        return False
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def _finalize_backward(ctx: RootContext, failed: bool = False) -> None:
-    """End of a backward (queued on the autograd engine, or run by the next forward after a
-    backward that raised): complete the reductions, free all, reset to IDLE."""
+    """End of a backward (queued on the autograd engine, or run by ``settle`` after a backward
+    that raised): complete the reductions (a failed backward's are completed but their results
+    dropped: nothing of it may reach a gradient later), reduce what ``no_sync`` left in units
+    this backward did not reach, free all, reset to IDLE."""
     for handle in ctx.reducing:
-        handle.finish_reduction()
+        if failed:
+            handle.discard_reduction()
+        else:
+            handle.finish_reduction()
     ctx.reducing.clear()
     if not failed:
+        _reduce_held(ctx)
         _check_order(ctx, token(END_OF_BACKWARD))
         ctx.checking = False
     for unit in ctx.units:
@@ -388,6 +515,21 @@ def _finalize_backward(ctx: RootContext, failed: bool = False) -> None:
     ctx.prefetched.clear()
     ctx.exec_order.end_iteration()
     ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
+
+
+def _reduce_held(ctx: RootContext) -> None:
+    """A unit used under ``no_sync`` but not in this (synchronised) backward still holds its
+    accumulated gradient: reduce it now (every rank holds the same units' gradients: they ran
+    the same micro-batches)."""
+    for unit in ctx.units:
+        if not unit.sync_gradients:
+            continue
+        for handle in unit.handles:
+            handle.drop_grad_if_zeroed()
+            if handle.holds_no_sync_grad():
+                if unit.world_size > 1:
+                    _check_order(ctx, token(REDUCE, ctx.index[unit]))
+                handle.reduce_grad()
 
 
 @contextlib.contextmanager

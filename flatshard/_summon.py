@@ -25,6 +25,7 @@ from torch import nn
 from ._collectives import first_difference
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
+from ._runtime import settle
 from ._unit import Unit
 from .flat_param import FlatParamHandle
 
@@ -34,7 +35,9 @@ _IDLE = TrainingState.IDLE
 
 def check_idle(units: Sequence[Unit], what: str) -> None:
     """Raise unless every unit is idle: ``what`` cannot run during forward, backward or
-    another ``summon_full_params``."""
+    another ``summon_full_params``. A backward that raised is cleaned up first."""
+    for ctx in {id(u.ctx): u.ctx for u in units}.values():
+        settle(ctx)
     for unit in units:
         if unit.training_state is _SUMMON:
             raise RuntimeError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from ._saved import SavedParamGuard
 from .flat_param import FlatParamHandle
 
 
@@ -67,8 +68,6 @@ class Unit:
         device: torch.device,
     ) -> None:
         self.handles = list(handles)
-        self.trainable = [h for h in self.handles if h.requires_grad]
-        self.frozen = [h for h in self.handles if not h.requires_grad]
         self.config = config
         self.comm = Communicator(group)
         self.rank = self.comm.rank
@@ -85,7 +84,9 @@ class Unit:
         # Input-gradient hooks of this iteration's forwards that have not fired yet (they
         # signal when frozen handles are no longer needed; see _runtime).
         self.open_input_hooks = 0
-        self.hook_handles: List[object] = []  # autograd hook registrations that live as long as the unit
+        # Post-accumulate-grad hook registrations per handle (registered once the handle
+        # requires grad; they live as long as the unit).
+        self.grad_hooks: Dict[FlatParamHandle, object] = {}
         # What state_dict() / load_state_dict() produce and take (set_state_dict_type).
         self.state_dict_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
@@ -102,6 +103,16 @@ class Unit:
     @property
     def group(self) -> ProcessGroup:
         return self.comm.group
+
+    @property
+    def trainable(self) -> List[FlatParamHandle]:
+        """The handles whose parameters require grad now (see [Note: requires_grad follows
+        the FlatParameter] in ``flat_param``)."""
+        return [h for h in self.handles if h.requires_grad]
+
+    @property
+    def frozen(self) -> List[FlatParamHandle]:
+        return [h for h in self.handles if not h.requires_grad]
 
     @property
     def is_root(self) -> bool:
@@ -137,6 +148,17 @@ class RootContext:
         self.units = units
         self.index = {unit: i for i, unit in enumerate(units)}
         self.comm = root.comm
+        # The groups order checks run over: the root's, and under hybrid sharding its
+        # replicas' too (together they connect every rank that exchanges data with another).
+        replicas = Communicator(root.replicate_group) if root.replicate_group is not None else None
+        self.check_comms = [c for c in (self.comm, replicas) if c is not None and c.world_size > 1]
+        # Which unit and handle own each full flat tensor that can be freed, by storage (see
+        # [Note: saved parameters] in _saved).
+        self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {
+            handle.storage_key(): (unit, handle) for unit in units for handle in unit.handles if handle.separate_full
+        }
+        # Made by the runtime at the first forward with autograd (see _saved).
+        self.saved_guard: Optional[SavedParamGuard] = None
         self.exec_order: ExecOrder[Unit] = ExecOrder()
         self.backward_state = BackwardState.IDLE
         # Units gathered during the current root forward (by their forward or a forward

@@ -15,7 +15,6 @@ accumulates the unsharded gradient into (``grad_leaf``). Its storage is freed be
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
 from ._placeholder import ParamPlaceholder
 
-__all__ = ["FlatParameter", "FlatParamHandle", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam", "Precision"]
+__all__ = ["FlatParameter", "FlatParamHandle", "storage_key_of", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam", "Precision"]
 
 
 class FlatParameter(nn.Parameter):
@@ -175,7 +174,7 @@ class FlatParamHandle:
         self.sharded = sharded and self.world_size > 1
         self.device = device
         self.dtype = params[0].param.dtype
-        self.requires_grad = params[0].param.requires_grad
+        requires_grad = params[0].param.requires_grad
         precision = precision or Precision()
         self.compute_dtype = precision.param_dtype or self.dtype
         self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
@@ -194,12 +193,12 @@ class FlatParamHandle:
         self._slots: List[Tuple[nn.Module, str, int]] = slots
         self._originals = [(p.param, p.name) for p in primaries]
         self.attr_name = attr_name
-        self.flat_param, self._full = self._make_tensors([p.param for p in primaries], sync_from_first_rank)
+        self.flat_param, self._full = self._make_tensors([p.param for p in primaries], requires_grad, sync_from_first_rank)
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
         self._full_data = self._full.data
         self._placeholders = [
-            ParamPlaceholder(info.name, info.shape, self.dtype, self.requires_grad) for info in self.param_infos
+            ParamPlaceholder(info.name, info.shape, self.dtype, requires_grad) for info in self.param_infos
         ]
         # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
         # backward. See [Note: no_sync and zero_grad].
@@ -207,7 +206,8 @@ class FlatParamHandle:
         # NO_SHARD: whether .grad holds a no_sync gradient not yet averaged over the ranks.
         self._local_grad = False
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
-        self._reduction: Optional[Pending] = None  # the gradient reduction in flight
+        # The gradient reduction in flight (see [Note: gradient reduction]).
+        self._reduction: Optional[_Reduction] = None
         self.state = HandleState.UNSHARDED
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
@@ -221,7 +221,7 @@ class FlatParamHandle:
         else:
             self.use_views(track_grad=False)
 
-    def _make_tensors(self, params: Sequence[nn.Parameter], sync: bool) -> Tuple[FlatParameter, torch.Tensor]:
+    def _make_tensors(self, params: Sequence[nn.Parameter], requires_grad: bool, sync: bool) -> Tuple[FlatParameter, torch.Tensor]:
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
         [Note: two tensors per handle])."""
         full = _flatten(params, self.padded_numel, self.device)
@@ -230,16 +230,37 @@ class FlatParamHandle:
                 self.replicate.broadcast_from_first(full)
             self.comm.broadcast_from_first(full)
         if not self.sharded:
-            flat_param = FlatParameter(full, self.requires_grad)
+            flat_param = FlatParameter(full, requires_grad)
             if not self.separate_full:
                 return flat_param, flat_param
-            return flat_param, full.to(self.compute_dtype).requires_grad_(self.requires_grad)
+            return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
         start = self.rank * self.shard_numel
         shard = full[start : start + self.shard_numel]
-        flat_param = FlatParameter(shard.to("cpu", copy=True) if self.offload else shard.clone(), self.requires_grad)
-        return flat_param, full.to(self.compute_dtype).requires_grad_(self.requires_grad)
+        flat_param = FlatParameter(shard.to("cpu", copy=True) if self.offload else shard.clone(), requires_grad)
+        return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
 
     # -- layout -------------------------------------------------------------------------
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether this handle's parameters train: the ``FlatParameter``'s own flag, which the
+        user may change at any time (staged fine-tuning); see [Note: requires_grad follows
+        the FlatParameter]."""
+        return self.flat_param.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """[Note: requires_grad follows the FlatParameter] Users freeze and unfreeze through
+        ``module.parameters()``, which yields the ``FlatParameter``. The full flat tensor that
+        modules compute with (and autograd accumulates into) is a tensor of its own when
+        sharded, so before each use it takes the ``FlatParameter``'s flag: a frozen handle gets
+        no gradient (and so no reduction), an unfrozen one trains again."""
+        flag = self.flat_param.requires_grad
+        if self._full is not self.flat_param and self._full.requires_grad != flag:
+            self._full.requires_grad_(flag)
+        if self._placeholders and self._placeholders[0].requires_grad != flag:
+            with torch._C.DisableTorchFunctionSubclass():
+                for placeholder in self._placeholders:
+                    placeholder.requires_grad_(flag)
 
     def originals(self) -> List[Tuple[nn.Parameter, str]]:
         """The original parameter objects this handle flattened (now emptied), with names."""
@@ -271,6 +292,11 @@ class FlatParamHandle:
         if self.state is not HandleState.SHARDED:
             return False
         alloc_storage(self._full_data, self.padded_numel)
+        self._start_gather(async_op)
+        return True
+
+    def _start_gather(self, async_op: bool) -> None:
+        """Fill the (allocated) full flat tensor from the shards: SHARDED or UNSHARDED -> GATHERING."""
         shard = self.flat_param.detach()
         if self.offload:
             shard = shard.to(self.device, non_blocking=True)
@@ -284,6 +310,24 @@ class FlatParamHandle:
         self.state = HandleState.GATHERING
         if not async_op:
             self.wait()
+
+    def refresh(self, async_op: bool = False) -> bool:
+        """Gather again into the full flat tensor kept from an earlier forward; ``False`` if
+        it is not gathered (or is the ``FlatParameter`` itself).
+
+        [Note: stale gathers] A full flat tensor is a copy of the shards as they were when it
+        was gathered. Normally it is freed at the end of the backward, but a forward whose
+        backward never runs (a metric computed with autograd on) leaves units gathered (the
+        root, ``SHARD_GRAD_OP`` units); after an optimizer step (or a checkpoint load, or any
+        write to the shards) that copy is stale. The runtime refreshes every unit still
+        gathered when a new forward starts; this is rank-consistent (every rank knows the
+        same units are gathered), unlike comparing version counters, and it updates the
+        views in place, so tensors that alias them (an output that returned a weight) see
+        the current values as they would in single-process training."""
+        if not self.separate_full or self.state is HandleState.SHARDED:
+            return False
+        self.wait()
+        self._start_gather(async_op)
         return True
 
     def wait(self) -> None:
@@ -312,6 +356,7 @@ class FlatParamHandle:
         self.wait()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
+        self.sync_requires_grad()
         with torch.set_grad_enabled(track_grad and self.requires_grad):
             chunks = self._full.split(self._split_sizes)
             views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
@@ -372,10 +417,13 @@ class FlatParamHandle:
     def exact_views(self) -> Tuple[List[torch.Tensor], bool]:
         """Every original parameter's full value in the parameters' own dtype, gathering as
         needed: views of the gathered full flat tensor (``True``) or, under mixed precision,
-        of a separate full-precision gather that nothing else holds (``False``)."""
+        of a separate full-precision gather that nothing else holds (``False``). A full
+        flat tensor kept from an earlier forward is gathered again first: the shards may have
+        changed since (see [Note: stale gathers])."""
         if self.compute_dtype != self.dtype:
             return self.split_full(self.gather_full_precision()), False
-        self.unshard()
+        if not self.unshard():
+            self.refresh()
         return self.full_views(), True
 
     def gather_full_precision(self) -> torch.Tensor:
@@ -408,6 +456,11 @@ class FlatParamHandle:
         """Bytes the full flat tensor holds right now (0 when resharded, unless ``NO_SHARD``)."""
         return storage_bytes(self._full_data)
 
+    def storage_key(self) -> int:
+        """Identifies the full flat tensor's storage (the same object, allocated or freed,
+        for the handle's life); compare with ``storage_key_of`` of a tensor."""
+        return storage_key_of(self._full_data)
+
     def aliases(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` shares the full flat tensor's memory (e.g. a module returned
         one of its parameters): then it must not be freed before that tensor's backward."""
@@ -433,9 +486,20 @@ class FlatParamHandle:
         ``flat_param.grad``; ``finish_reduction()`` completes it (at once without
         ``async_op``). ``False`` if there was no gradient.
 
-        Sharded: reduce-scatter into a new shard gradient, added to an existing ``.grad`` (a
-        gradient the user did not zero) when complete; the full gradient is dropped. Under
-        ``NO_SHARD`` the full gradient *is* ``flat_param.grad``, all-reduced in place.
+        [Note: gradient reduction] The full gradient is taken away from autograd's leaf
+        (under ``NO_SHARD`` that leaf is the ``FlatParameter``, so its ``.grad`` is empty
+        while the reduction is in flight) and averaged into a tensor nothing else can see:
+        sharded, a reduce-scatter into a new shard gradient; unsharded, an all-reduce of the
+        gradient itself. With hybrid sharding the result is then averaged over the replicas
+        too (also when a shard group has a single rank). Only ``finish_reduction`` adds the
+        result to ``.grad`` (onto a gradient the user did not zero), so a reduction that is
+        abandoned (``discard_reduction``, after a backward that raised) never writes into a
+        gradient the user has zeroed since. Meanwhile ``.grad`` exists, as it would in
+        single-process training once autograd accumulated it: a ``FlatParameter`` without one
+        gets an uninitialised placeholder, replaced by the result when the reduction completes,
+        or zeroed if it is abandoned and nobody touched it (a loop that zeroes the gradients
+        after the failed backward and steps anyway then steps exactly the parameters
+        single-process training would).
         """
         self._held_grad = None
         self._local_grad = False
@@ -444,18 +508,14 @@ class FlatParamHandle:
             return False
         if self._reduction is not None:
             raise AssertionError(f"[rank {self.rank}] a gradient reduction is already in flight")
-        if not self.separate_full:  # NO_SHARD: the gradient is flat_param.grad, reduced in place
-            if self._comm_hook is not None:
-                hook, state = self._comm_hook
-                hook(state, full_grad)
-            elif self.world_size > 1:
-                self._reduction = self.comm.all_reduce_mean(full_grad, async_op=True)
-        else:
-            self._full.grad = None
-            grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
-            pending, reduced = self._start_reduction(grad.contiguous())
-            # (the partial keeps the full gradient alive until the reduction is complete)
-            self._reduction = Pending(None, functools.partial(self._accumulate, pending, reduced, grad))
+        self._full.grad = None
+        grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
+        pending, reduced = self._start_reduction(grad.contiguous())
+        placeholder = None
+        if self.flat_param.grad is None:
+            self._set_new_grad(torch.empty(self.flat_param.shape, dtype=self.grad_dtype, device=self._grad_device()))
+            placeholder = (self.flat_param.grad, self.flat_param.grad._version)
+        self._reduction = _Reduction(pending, reduced, grad, placeholder)
         if not async_op:
             self.finish_reduction()
         return True
@@ -464,7 +524,7 @@ class FlatParamHandle:
         """Average ``grad`` (full, in the reduce dtype) over the ranks: (the collective in
         flight, the tensor receiving this rank's part -- all of it when not sharded)."""
         hook = self._comm_hook
-        if not self.sharded:  # mixed precision without sharding
+        if not self.sharded:
             if hook is not None:
                 hook[0](hook[1], grad)
             elif self.world_size > 1:
@@ -476,22 +536,34 @@ class FlatParamHandle:
             return Pending(None), shard_grad
         return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True), shard_grad
 
-    def _accumulate(self, pending: Pending, shard_grad: torch.Tensor, full_grad: torch.Tensor) -> None:
-        pending.wait()
+    def _grad_device(self) -> torch.device:
+        return torch.device("cpu") if self.offload else self.flat_param.device
+
+    def _set_new_grad(self, data: torch.Tensor) -> None:
+        """Make ``data`` (shaped like the shard, in the gradient dtype) the ``FlatParameter``'s ``.grad``."""
+        if data.dtype == self.dtype:
+            self.flat_param.grad = data
+            return
+        # keep_low_precision_grads: .grad's dtype must match the parameter's, its data need not
+        self.flat_param.grad = torch.zeros((), dtype=self.dtype, device=data.device).expand(data.shape)
+        self.flat_param.grad.data = data
+
+    def _accumulate(self, reduction: "_Reduction") -> None:
+        reduction.pending.wait()
+        shard_grad = reduction.reduced
         if self.replicate is not None and self.replicate.world_size > 1:
             self.replicate.all_reduce_mean(shard_grad)
         if shard_grad.dtype != self.grad_dtype:
             shard_grad = shard_grad.to(self.grad_dtype)
         if self.offload:
             shard_grad = shard_grad.to("cpu")
-        if self.flat_param.grad is None:
-            if shard_grad.dtype == self.dtype:
-                self.flat_param.grad = shard_grad
-            else:  # keep_low_precision_grads: .grad's dtype must match, its data need not
-                self.flat_param.grad = torch.zeros((), dtype=self.dtype, device=shard_grad.device).expand(shard_grad.shape)
-                self.flat_param.grad.data = shard_grad
+        grad = self.flat_param.grad
+        if grad is not None and reduction.is_placeholder(grad):
+            grad.data = shard_grad  # (keeps a keep_low_precision_grads .grad's dtype)
+        elif grad is None:
+            self._set_new_grad(shard_grad)
         else:
-            self.flat_param.grad.add_(shard_grad)
+            grad.add_(shard_grad)
 
     def set_comm_hook(self, hook: Callable[..., Any], state: Any) -> None:
         """Reduce gradients with ``hook(state, grad)`` (unsharded: all-reduce ``grad`` in place)
@@ -506,7 +578,17 @@ class FlatParamHandle:
         """Complete a gradient reduction in flight (``flat_param.grad`` is final after it)."""
         if self._reduction is not None:
             reduction, self._reduction = self._reduction, None
-            reduction.wait()
+            self._accumulate(reduction)
+
+    def discard_reduction(self) -> None:
+        """Complete a gradient reduction in flight without using its result (the backward
+        it belongs to raised); see [Note: gradient reduction]."""
+        if self._reduction is not None:
+            reduction, self._reduction = self._reduction, None
+            reduction.pending.drain()
+            grad = self.flat_param.grad
+            if grad is not None and reduction.is_placeholder(grad):
+                grad.zero_()
 
     def hold_grad_for_later(self) -> None:
         """``no_sync``: leave the accumulated full gradient for the next synchronised backward.
@@ -537,6 +619,33 @@ class FlatParamHandle:
         if grad is None or ref() is not grad or grad._version != version:
             self._full.grad = None
             self._held_grad = None
+
+
+@dataclass
+class _Reduction:
+    """A gradient reduction in flight: the collective, the tensor receiving this rank's part,
+    the full gradient it reduces (kept alive until the collective completes) and the
+    placeholder ``.grad`` made for it with its version then (``None`` if ``.grad`` existed)."""
+
+    pending: Pending
+    reduced: torch.Tensor
+    full: torch.Tensor
+    placeholder: Optional[Tuple[torch.Tensor, int]]
+
+    def is_placeholder(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is the untouched placeholder."""
+        return self.placeholder is not None and grad is self.placeholder[0] and grad._version == self.placeholder[1]
+
+
+def storage_key_of(tensor: torch.Tensor) -> Optional[int]:
+    """The identity of ``tensor``'s storage (``None`` for tensors without one, e.g. sparse
+    or wrapper subclasses)."""
+    if tensor.layout is not torch.strided or type(tensor) not in _PLAIN_TENSOR_TYPES:
+        return None
+    return tensor.untyped_storage()._cdata
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter, FlatParameter)
 
 
 def _empty_originals(primaries: Sequence[OrigParam]) -> None:

@@ -88,7 +88,7 @@ class OptimStateIndex:
 
 def optimizer_groups(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> List[List[torch.Tensor]]:
     """The optimizer's parameters, by group: from ``optim``, else ``optim_input`` (parameters
-    or param-group dicts), else ``model.parameters()``."""
+    or param-group dicts), else ``model.parameters()`` (see ``LoadTarget.from_model``)."""
     if optim is not None:
         return [list(group["params"]) for group in optim.param_groups]
     if optim_input is None:
@@ -97,6 +97,31 @@ def optimizer_groups(model: nn.Module, optim: Optional[torch.optim.Optimizer], o
     if items and isinstance(items[0], dict):
         return [list(group["params"]) for group in items]
     return [items]
+
+
+class LoadTarget:
+    """The optimizer a state dict is flattened for: its parameters by group, and the optimizer
+    itself when the caller gave it.
+
+    Without ``optim`` or ``optim_input`` the parameters are guessed from the model (FSDP1's
+    rule); then a frozen parameter that none of the saved param groups names is left out, since
+    an optimizer built from the trainable parameters only (the usual way) never held it.
+    """
+
+    def __init__(self, model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any = None) -> None:
+        self.groups = optimizer_groups(model, optim, optim_input)
+        self.optim = optim
+        self.from_model = optim is None and optim_input is None
+
+    def has_state(self, param: torch.Tensor) -> bool:
+        """Whether the optimizer keeps state for ``param`` already (some create it when built)."""
+        return self.optim is not None and bool(self.optim.state.get(param))
+
+    def groups_for(self, index: "OptimStateIndex", osd: Mapping[str, Any]) -> List[List[torch.Tensor]]:
+        if not self.from_model:
+            return self.groups
+        saved = {name for group in osd["param_groups"] for name in group["params"]}
+        return [[p for p in group if p.requires_grad or any(n in saved for n in index.names_of(p))] for group in self.groups]
 
 
 # -- unflattening (optimizer -> per original parameter) ------------------------------------
@@ -205,26 +230,45 @@ def gather_optim_state(
 
 
 def init_state(optim: torch.optim.Optimizer) -> bool:
-    """Give a fresh optimizer (no state) its state by one step with zero gradients and a zero
-    learning rate, which changes no parameter; ``False`` if it already has state. The caller
-    clears the state again after reading its shapes."""
+    """Give a fresh optimizer (no state) a template of its state; ``False`` if it already has
+    state. The caller clears the state again after reading it.
+
+    [Note: fresh optimizer template] ``torch.distributed.checkpoint`` loads into the tensors
+    of the state dict it is given, so a fresh optimizer's sharded state dict must have every
+    tensor a trained one has. The template comes from one step with zero gradients, a zero
+    learning rate and no weight decay (no parameter changes, and the positional state stays at
+    its initial zeros), after which each step count is taken back by one, to 0. So a template
+    that gets *saved* (a checkpoint taken before the first step) says "never stepped", and
+    loading it (``flatten_optim_state``) leaves the parameters without state, as they were:
+    resuming from it equals not having stopped.
+    """
     if optim.state:
         return False
     params = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
     grads = [p.grad for p in params]
-    rates = [group["lr"] for group in optim.param_groups]
+    saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group} for group in optim.param_groups]
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
         for group in optim.param_groups:
-            group["lr"] = 0.0
+            group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
         optim.step()
     finally:
-        for group, rate in zip(optim.param_groups, rates):
-            group["lr"] = rate
+        for group, values in zip(optim.param_groups, saved):
+            group.update(values)
         for p, grad in zip(params, grads):
             p.grad = grad
+    for entry in optim.state.values():
+        for key in _STEP_NAMES & set(entry):
+            entry[key] = entry[key] - 1
     return True
+
+
+def _never_stepped(names: Sequence[str], state: Mapping[str, Any]) -> bool:
+    """Whether the saved state of ``names`` is a fresh optimizer's template (see [Note: fresh
+    optimizer template]): step counts of 0."""
+    steps = [entry[key] for entry in (state.get(n) for n in names) if entry for key in _STEP_NAMES & set(entry)]
+    return bool(steps) and all(float(step) == 0 for step in steps)
 
 
 # -- flattening (per original parameter -> optimizer) --------------------------------------
@@ -351,19 +395,30 @@ def _describe(osd: Mapping[str, Any]) -> Dict[str, Any]:
     return {f"{name}.{key}": value for name, state in osd["state"].items() for key, value in state.items()}
 
 
-def flatten_optim_state(
-    model: nn.Module, osd: Mapping[str, Any], groups: Sequence[Sequence[torch.Tensor]], is_wrapper: IsWrapper, what: str, collective: bool
-) -> Dict[str, Any]:
+def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -> Tuple[List[List[torch.Tensor]], List[Dict[str, Any]], List[Any]]:
+    """(the optimizer's parameters by group, its new param groups, each parameter's entry plan),
+    after checking ``osd`` against the model."""
+    groups = target.groups_for(index, osd)
+    group_of = _check_names(index, osd)
+    new_groups = _new_groups(index, groups, osd, group_of)
+    plans = []
+    for param in (p for g in groups for p in g):
+        names = index.names_of(param)
+        fresh = _never_stepped(names, osd["state"]) and not target.has_state(param)
+        plans.append(None if fresh else _entry_plan(names, index.shapes, osd["state"]))
+    return groups, new_groups, plans
+
+
+def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTarget, is_wrapper: IsWrapper, what: str, collective: bool) -> Dict[str, Any]:
     """A name-keyed optimizer state dict (full tensors or ``DTensor``s) as the state dict of
-    an optimizer over ``groups``, for this rank (keyed by parameter ID). ``collective``:
-    the ranks check they were given the same structure first (needed for ``DTensor`` values)."""
+    ``target``'s optimizer, for this rank (keyed by parameter ID). ``collective``: the ranks
+    check they were given the same structure first (needed for ``DTensor`` values)."""
     index = OptimStateIndex(model, is_wrapper)
     error: Optional[BaseException] = None
+    groups: List[List[torch.Tensor]] = []
     try:
         _check_state_dict(osd, what)
-        group_of = _check_names(index, osd)
-        new_groups = _new_groups(index, groups, osd, group_of)
-        plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for g in groups for p in g]
+        groups, new_groups, plans = _plans(index, target, osd)
     except Exception as exc:  # noqa: BLE001 - malformed input: raised on every rank below, not a hang
         error = exc
     if collective:
@@ -387,28 +442,26 @@ def flatten_optim_state(
     return {"state": state, "param_groups": new_groups}
 
 
-def scatter_optim_state(
-    model: nn.Module, osd: Optional[Mapping[str, Any]], groups: Sequence[Sequence[torch.Tensor]], is_wrapper: IsWrapper
-) -> Dict[str, Any]:
+def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], target: LoadTarget, is_wrapper: IsWrapper, what: str) -> Dict[str, Any]:
     """``flatten_optim_state`` where only the first rank has ``osd``: it sends each rank its
     part, one FlatParameter state tensor at a time."""
     index = OptimStateIndex(model, is_wrapper)
     root = index.root
-    params = [p for g in groups for p in g]
+    everything = [p for g in target.groups for p in g]
     skeleton: Any = None
     if root.rank == 0:
         try:
-            _check_state_dict(osd, "scatter_full_optim_state_dict")
-            group_of = _check_names(index, osd)  # type: ignore[arg-type]
-            new_groups = _new_groups(index, groups, osd, group_of)  # type: ignore[arg-type]
-            plans = [_entry_plan(index.names_of(p), index.shapes, osd["state"]) for p in params]  # type: ignore[index]
-            skeleton = ("ok", new_groups, plans)
+            _check_state_dict(osd, what)
+            groups, new_groups, plans = _plans(index, target, osd)  # type: ignore[arg-type]
+            kept = {id(p) for g in groups for p in g}
+            skeleton = ("ok", new_groups, plans, [i for i, p in enumerate(everything) if id(p) in kept])
         except Exception as exc:  # noqa: BLE001 - malformed input: every rank raises, none waits
-            skeleton = ("error", f"{type(exc).__name__}: {exc}", None)
+            skeleton = ("error", f"{type(exc).__name__}: {exc}", None, None)
     skeleton = broadcast_object(skeleton, root.group)
     if skeleton[0] == "error":
-        raise ValueError(f"[rank {root.rank}] scatter_full_optim_state_dict: {skeleton[1]}")
-    _, new_groups, plans = skeleton
+        raise ValueError(f"[rank {root.rank}] {what}: {skeleton[1]}")
+    _, new_groups, plans, kept_positions = skeleton
+    params = [everything[i] for i in kept_positions]
     state: Dict[int, Dict[str, Any]] = {}
     for pid, (param, plan) in enumerate(zip(params, plans)):
         if plan is None:

@@ -15,6 +15,7 @@ from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, dis
 from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
+from ._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._state_dict import (
     get_settings,
     load_model_state,
@@ -38,7 +39,7 @@ from .api import (
     StateDictType,
 )
 from .flat_param import FlatParamHandle, OrigParam
-from .optim_state import flatten_optim_state, gather_optim_state, init_state, optimizer_groups, rekey, scatter_optim_state
+from .optim_state import LoadTarget, flatten_optim_state, gather_optim_state, init_state, optimizer_groups, rekey, scatter_optim_state
 
 __all__ = ["ShardedDataParallel"]
 
@@ -129,6 +130,8 @@ class ShardedDataParallel(nn.Module):
             options["auto_wrap_policy"] = None
         self._unit = build_unit(module, ShardedDataParallel, options, owned)
         self._fsdp_wrapped_module = module
+        # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
+        self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 
     @classmethod
     def _planned(cls, module: nn.Module, options: Dict[str, Any], owned: List[OrigParam], name: str) -> "ShardedDataParallel":
@@ -137,6 +140,7 @@ class ShardedDataParallel(nn.Module):
         nn.Module.__init__(wrapper)
         wrapper._unit = build_unit(module, cls, options, owned, name)
         wrapper._fsdp_wrapped_module = module
+        wrapper._stale_optimizer_check = None  # the root being built covers this unit
         return wrapper
 
     # -- the wrapped module -------------------------------------------------------------------
@@ -450,8 +454,8 @@ class ShardedDataParallel(nn.Module):
                 not ``model.parameters()`` and ``optim`` is not given.
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
-        groups = optimizer_groups(model, optim, optim_input)
-        return flatten_optim_state(model, full_optim_state_dict, groups, _is_wrapper, "shard_full_optim_state_dict", collective=False)
+        target = LoadTarget(model, optim, optim_input)
+        return flatten_optim_state(model, full_optim_state_dict, target, _is_wrapper, "shard_full_optim_state_dict", collective=False)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -464,15 +468,15 @@ class ShardedDataParallel(nn.Module):
         """``shard_full_optim_state_dict`` where only rank 0 has the full dict (the other
         ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
         _check_group(model, group)
-        groups = optimizer_groups(model, optim, optim_input)
-        return scatter_optim_state(model, full_optim_state_dict, groups, _is_wrapper)
+        target = LoadTarget(model, optim, optim_input)
+        return scatter_optim_state(model, full_optim_state_dict, target, _is_wrapper, "scatter_full_optim_state_dict")
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
         """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
         ``optim.load_state_dict()`` (works at any world size). Collective."""
-        groups = optimizer_groups(model, optim, None)
-        return flatten_optim_state(model, sharded_optim_state_dict, groups, _is_wrapper, "flatten_sharded_optim_state_dict", collective=True)
+        target = LoadTarget(model, optim)
+        return flatten_optim_state(model, sharded_optim_state_dict, target, _is_wrapper, "flatten_sharded_optim_state_dict", collective=True)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -557,8 +561,14 @@ class ShardedDataParallel(nn.Module):
         if is_named_optimizer:
             raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
         _optim_checks(model, optim, None, group)
-        groups = optimizer_groups(model, optim, None)
-        result = flatten_optim_state(model, optim_state_dict, groups, _is_wrapper, "optim_state_dict_to_load", collective=True)
+        target = LoadTarget(model, optim)
+        settings = get_settings(model, _is_wrapper)
+        if settings.state_dict_type is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
+            # FSDP1's rank0_only load: only rank 0's dict counts (the others pass {}).
+            mine = optim_state_dict if _root_rank(model) == 0 else None
+            result = scatter_optim_state(model, mine, target, _is_wrapper, "optim_state_dict_to_load")
+        else:
+            result = flatten_optim_state(model, optim_state_dict, target, _is_wrapper, "optim_state_dict_to_load", collective=True)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -608,6 +618,11 @@ def _check_group(model: nn.Module, group: Optional[ProcessGroup]) -> None:
         raise ValueError(f"{type(model).__name__} contains no ShardedDataParallel module")
     if group is not None and group is not roots[0].process_group:
         raise ValueError("group must be None or the process group the model is sharded over")
+
+
+def _root_rank(model: nn.Module) -> int:
+    roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
+    return roots[0].rank
 
 
 def _optim_checks(model: nn.Module, optim: Any, optim_input: Any, group: Optional[ProcessGroup]) -> None:

@@ -256,7 +256,8 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, ShardedDataParallel):
             for handle in module.handles:
-                handle.unshard()
+                if not handle.unshard():
+                    handle.refresh()  # kept from a forward whose backward never ran
                 for param_name, tensor in handle.named_full_views():
                     out[join_name(clean_name(name), param_name)] = tensor.clone()
                 handle.reshard()
