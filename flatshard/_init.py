@@ -25,7 +25,7 @@ from ._collectives import (
     require_initialized,
 )
 from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
-from ._materialize import has_meta, materialize
+from ._materialize import has_meta, materialize, retie
 from ._runtime import register_hooks
 from ._unit import Unit, UnitConfig
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -103,6 +103,8 @@ def build_unit(
     if has_meta(params, modules):
         params = materialize(params, modules, device, options["param_init_fn"], name)
         buffers = [(b, m, attr, m._buffers[attr]) for b, m, attr, _ in buffers]
+    else:  # a tie this unit owns may have been materialised by the inner units holding it
+        params = retie(params, name)
     _move_buffers(device, buffers)
     if options["sync_module_states"]:
         _check_same_on_all_ranks(params, buffers, group, device, name)

@@ -25,8 +25,9 @@ _Modules = Sequence[Tuple[str, nn.Module]]
 
 
 def has_meta(params: Sequence[OrigParam], modules: _Modules) -> bool:
-    """Whether any of ``params`` or of ``modules``' own buffers is on the meta device."""
-    return any(p.param.is_meta for p in params) or any(_meta_buffers(m) for _, m in modules)
+    """Whether a parameter or buffer of ``modules`` (their own), or a registration in
+    ``params`` as it is now, is on the meta device."""
+    return any(_current(p).is_meta for p in params) or any(_meta_tensors(m) for _, m in modules)
 
 
 def materialize(
@@ -36,44 +37,56 @@ def materialize(
     param_init_fn: Optional[Callable[[nn.Module], None]],
     prefix: str = "",
 ) -> List[OrigParam]:
-    """Materialise and initialise ``params`` (the unit's registrations) and the buffers of
-    ``modules`` (the unit's own modules, with names relative to its module at ``prefix``);
-    returns the registrations with their new parameter objects."""
-    modules = _with_outside_holders(params, modules)
-    holders = {id(p.module) for p in params if p.param.is_meta}
-    targets = [(name, m) for name, m in modules if id(m) in holders or _meta_buffers(m)]
+    """Materialise and initialise the meta tensors of ``modules`` (the unit's own modules,
+    with names relative to its module at ``prefix``); returns ``params`` (the unit's
+    registrations) with the parameter objects now registered (see ``retie``).
+
+    [Note: ties owned from outside] Every meta tensor registered on a unit's modules is
+    materialised with that unit, also a parameter another unit owns: a tie between modules
+    that became units of their own belongs to a unit enclosing both (see [Note: tied
+    parameters in a plan] in ``_planning``), which is built after them and whose own modules
+    do not include theirs. Each holder initialises its registration (with its own
+    ``reset_parameters()`` or ``param_init_fn``) while it is whole; the owner then takes the
+    first registration's value for all of them, as a model built on a real device and then
+    tied keeps the first module's.
+    """
+    targets = [(name, m) for name, m in modules if _meta_tensors(m)]
     if param_init_fn is not None:
         for _, module in targets:
             param_init_fn(module)
     else:
-        _empty_like_on(device, params, targets)
+        _empty_like_on(device, targets)
         _reset(modules, targets, prefix)
-    refreshed = _retie(params)
-    left = [join_name(prefix, p.name) for p in refreshed if p.param.is_meta]
-    left += [join_name(prefix, join_name(name, b)) for name, m in targets for b in _meta_buffers(m)]
+    left = [join_name(prefix, join_name(name, t)) for name, m in targets for t in _meta_tensors(m)]
     if left:
         raise ValueError(f"param_init_fn left {', '.join(repr(n) for n in left)} on the meta device")
+    return retie(params, prefix)
+
+
+def retie(params: Sequence[OrigParam], prefix: str = "") -> List[OrigParam]:
+    """The registrations with the parameters now on their modules; registrations of one
+    original parameter all get the same one: the first registration's (see [Note: ties owned
+    from outside]). Raises if one is still on the meta device."""
+    by_original: Dict[int, nn.Parameter] = {}
+    for p in params:
+        by_original.setdefault(id(p.param), _current(p))
+    refreshed = []
+    for p in params:
+        chosen = by_original[id(p.param)]
+        p.module._parameters[p.attr_name] = chosen
+        refreshed.append(p if chosen is p.param else dataclasses.replace(p, param=chosen))
+    left = [join_name(prefix, p.name) for p in refreshed if p.param.is_meta]
+    if left:
+        raise ValueError(
+            f"{', '.join(repr(n) for n in left)} is still on the meta device: no module registering it was "
+            f"materialised (build it on a real device, or give its module reset_parameters() or a param_init_fn)"
+        )
     return refreshed
 
 
-def _with_outside_holders(params: Sequence[OrigParam], modules: _Modules) -> List[Tuple[str, nn.Module]]:
-    """``modules`` and, after them, the modules outside them that register one of ``params``.
-
-    [Note: ties owned from outside] A parameter tied between modules that became units of
-    their own belongs to the unit enclosing both (see [Note: tied parameters in a plan] in
-    ``_planning``), so its registering modules are not among that unit's own modules; they
-    still are what initialises it (their ``reset_parameters()`` or ``param_init_fn``). Coming
-    last, they are initialised first (children first), so the unit's own modules have the last
-    word, and among them the first registration wins, as when the model is built on a real
-    device and then tied.
-    """
-    known = {id(m) for _, m in modules}
-    extra: List[Tuple[str, nn.Module]] = []
-    for p in params:
-        if p.param.is_meta and id(p.module) not in known:
-            known.add(id(p.module))
-            extra.append((p.module_name, p.module))
-    return list(modules) + extra
+def _current(p: OrigParam) -> nn.Parameter:
+    current = p.module._parameters.get(p.attr_name)
+    return p.param if current is None else current
 
 
 def _reset(modules: _Modules, targets: _Modules, prefix: str) -> None:
@@ -100,37 +113,23 @@ def _reset(modules: _Modules, targets: _Modules, prefix: str) -> None:
             module.reset_parameters()
 
 
-def _meta_buffers(module: nn.Module) -> List[str]:
-    return [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+def _meta_tensors(module: nn.Module) -> List[str]:
+    """The names of ``module``'s own parameters and buffers on the meta device."""
+    tensors = list(module._parameters.items()) + list(module._buffers.items())
+    return [name for name, t in tensors if t is not None and t.is_meta]
 
 
-def _empty_like_on(device: torch.device, params: Sequence[OrigParam], targets: _Modules) -> None:
+def _empty_like_on(device: torch.device, targets: _Modules) -> None:
+    """Give every meta tensor of ``targets`` (uninitialised) storage on ``device``; a
+    parameter registered several times gets one new parameter."""
     fresh: Dict[int, nn.Parameter] = {}
     with torch.no_grad():
-        for p in params:
-            if p.param.is_meta:
-                new = fresh.get(id(p.param))
-                if new is None:
-                    new = nn.Parameter(torch.empty_like(p.param, device=device), requires_grad=p.param.requires_grad)
-                    fresh[id(p.param)] = new
-                p.module._parameters[p.attr_name] = new
         for _, module in targets:
-            for name in _meta_buffers(module):
-                module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
-
-
-def _retie(params: Sequence[OrigParam]) -> List[OrigParam]:
-    """The registrations with the parameters now on their modules; registrations of one
-    original parameter all get the same (first materialised) one, in case an init function
-    materialised them separately."""
-    by_original: Dict[int, nn.Parameter] = {}
-    for p in params:
-        current = p.module._parameters[p.attr_name]
-        if current is not None and not current.is_meta:
-            by_original.setdefault(id(p.param), current)
-    refreshed = []
-    for p in params:
-        chosen = by_original.get(id(p.param), p.module._parameters[p.attr_name])
-        p.module._parameters[p.attr_name] = chosen
-        refreshed.append(dataclasses.replace(p, param=chosen))
-    return refreshed
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.is_meta:
+                    if id(param) not in fresh:
+                        fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    module._parameters[name] = fresh[id(param)]
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.empty_like(buf, device=device)

@@ -599,10 +599,14 @@ class FlatParamHandle:
         it. So the ``FlatParameter`` gets a (zero) ``.grad`` here, and before the next
         backward accumulates, ``drop_grad_if_zeroed`` checks that this very tensor is still
         ``.grad`` and unmodified; if not, the user zeroed the gradients and the held gradient
-        is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself.)
+        is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself: its
+        version is recorded after each ``no_sync`` backward, so a change before the next
+        one means the user zeroed it, and there is nothing left to average.)
         """
         if not self.separate_full:
-            self._local_grad = self.flat_param.grad is not None
+            grad = self.flat_param.grad
+            self._local_grad = grad is not None
+            self._held_grad = (weakref.ref(grad), grad._version) if grad is not None else None
             return
         if self._full.grad is None:
             return
@@ -617,7 +621,9 @@ class FlatParamHandle:
         ref, version = self._held_grad
         grad = self.flat_param.grad
         if grad is None or ref() is not grad or grad._version != version:
-            self._full.grad = None
+            if self.separate_full:
+                self._full.grad = None
+            self._local_grad = False
             self._held_grad = None
 
 

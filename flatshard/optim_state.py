@@ -24,8 +24,9 @@ names, same scalar values), or flattening raises an error naming them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ from ._unit import Unit
 from .api import OptimStateKeyType
 from .flat_param import FlatParameter, FlatParamHandle
 
-__all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "init_state"]
+__all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "template_state"]
 
 _STEP_NAMES = frozenset({"step"})
 _SCALAR_NAMES = frozenset({"step", "mu_product", "eta", "mu"})  # torch optimizers' per-parameter scalars
@@ -229,27 +230,43 @@ def gather_optim_state(
     return {"state": {name: state[name] for name in ordered}, "param_groups": groups}
 
 
-def init_state(optim: torch.optim.Optimizer) -> bool:
-    """Give a fresh optimizer (no state) a template of its state; ``False`` if it already has
-    state. The caller clears the state again after reading it.
+@contextlib.contextmanager
+def template_state(optim: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, every parameter of ``optim`` without state has a template of it (see
+    [Note: optimizer state templates]); the templates are removed on exit.
 
-    [Note: fresh optimizer template] ``torch.distributed.checkpoint`` loads into the tensors
-    of the state dict it is given, so a fresh optimizer's sharded state dict must have every
-    tensor a trained one has. The template comes from one step with zero gradients, a zero
-    learning rate and no weight decay (no parameter changes, and the positional state stays at
-    its initial zeros), after which each step count is taken back by one, to 0. So a template
-    that gets *saved* (a checkpoint taken before the first step) says "never stepped", and
-    loading it (``flatten_optim_state``) leaves the parameters without state, as they were:
-    resuming from it equals not having stopped.
+    [Note: optimizer state templates] ``torch.distributed.checkpoint`` loads into the tensors
+    of the state dict it is given, so a sharded optimizer state dict must have an entry for
+    every parameter a checkpoint may hold state for: also for a fresh optimizer, or for a
+    parameter that has not been stepped yet (a frozen or unused unit). Such a parameter gets a
+    template from one step in which only the stateless parameters have (zero) gradients, with
+    a zero learning rate and no weight decay (no parameter changes and the positional state
+    stays at its initial zeros), each step count then taken back by one, to 0. So every sharded
+    optimizer state dict has the same entries whatever was stepped (a checkpoint loads into the
+    template of a fresh optimizer), and an entry saved from a template says "never stepped":
+    loading it (``flatten_optim_state``) leaves the parameter without state, as it was, so
+    resuming equals not having stopped. (Optimizers without a step count, SGD, keep a zero
+    momentum buffer instead, which SGD's first step treats as no buffer when ``dampening`` is
+    0, its default.)
     """
-    if optim.state:
-        return False
-    params = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
+    params = [p for group in optim.param_groups for p in group["params"]]
+    stateless = [p for p in params if not optim.state.get(p)]
+    if stateless:
+        _step_templates(optim, params, stateless)
+    try:
+        yield
+    finally:
+        for p in stateless:
+            optim.state.pop(p, None)
+
+
+def _step_templates(optim: torch.optim.Optimizer, params: Sequence[torch.Tensor], stateless: Sequence[torch.Tensor]) -> None:
     grads = [p.grad for p in params]
     saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group} for group in optim.param_groups]
+    wanted = {id(p) for p in stateless}
     try:
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if id(p) in wanted else None
         for group in optim.param_groups:
             group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
         optim.step()
@@ -258,15 +275,15 @@ def init_state(optim: torch.optim.Optimizer) -> bool:
             group.update(values)
         for p, grad in zip(params, grads):
             p.grad = grad
-    for entry in optim.state.values():
+    for p in stateless:
+        entry = optim.state.get(p, {})
         for key in _STEP_NAMES & set(entry):
             entry[key] = entry[key] - 1
-    return True
 
 
 def _never_stepped(names: Sequence[str], state: Mapping[str, Any]) -> bool:
-    """Whether the saved state of ``names`` is a fresh optimizer's template (see [Note: fresh
-    optimizer template]): step counts of 0."""
+    """Whether the saved state of ``names`` is a template (see [Note: optimizer state
+    templates]): step counts of 0."""
     steps = [entry[key] for entry in (state.get(n) for n in names) if entry for key in _STEP_NAMES & set(entry)]
     return bool(steps) and all(float(step) == 0 for step in steps)
 

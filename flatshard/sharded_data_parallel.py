@@ -39,7 +39,7 @@ from .api import (
     StateDictType,
 )
 from .flat_param import FlatParamHandle, OrigParam
-from .optim_state import LoadTarget, flatten_optim_state, gather_optim_state, init_state, optimizer_groups, rekey, scatter_optim_state
+from .optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state, template_state
 
 __all__ = ["ShardedDataParallel"]
 
@@ -437,7 +437,8 @@ class ShardedDataParallel(nn.Module):
         """The optimizer's state keyed by parameter names with ``DTensor`` parts (as in a
         ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
         _optim_checks(model, optim, None, group)
-        return gather_optim_state(model, optim, None, _is_wrapper, rank0_only=False, offload=False, sharded=True)
+        with template_state(optim):
+            return gather_optim_state(model, optim, None, _is_wrapper, rank0_only=False, offload=False, sharded=True)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -512,8 +513,9 @@ class ShardedDataParallel(nn.Module):
     ) -> Dict[str, Any]:
         """The optimizer's state keyed by parameter names, in the form of the model's
         state-dict type: full tensors (``FULL_STATE_DICT``, per ``FullOptimStateDictConfig``)
-        or ``DTensor`` parts (``SHARDED_STATE_DICT``). For a fresh optimizer (no step yet) the
-        sharded form is a complete template for ``torch.distributed.checkpoint.load``.
+        or ``DTensor`` parts (``SHARDED_STATE_DICT``). The sharded form has an entry for every
+        parameter of the optimizer, stepped yet or not, so it is a complete template for
+        ``torch.distributed.checkpoint.load`` also for a fresh optimizer.
         Collective.
 
         Args:
@@ -530,12 +532,8 @@ class ShardedDataParallel(nn.Module):
             return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, rank0_only, config.offload_to_cpu, sharded=False)
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             raise NotImplementedError("optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL or SHARDED")
-        fresh = optim_state_dict is None and init_state(optim)
-        try:
+        with template_state(optim) if optim_state_dict is None else contextlib.nullcontext():
             return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, False, config.offload_to_cpu, sharded=True)
-        finally:
-            if fresh:
-                optim.state.clear()
 
     @staticmethod
     def optim_state_dict_to_load(

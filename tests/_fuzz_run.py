@@ -76,7 +76,11 @@ def make_optim(case: Case, params: Any) -> torch.optim.Optimizer:
     o = case.optim
     if o["kind"] == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=o["weight_decay"])
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=o["weight_decay"])
+    # eps: AdamW's first steps move a parameter by about lr * g / (|g| + eps), so a gradient
+    # that is zero but for rounding (1e-9 here, 1.2e-9 there: sums in another order) would move
+    # by a sizeable fraction of lr; an eps well above rounding noise keeps the comparison exact
+    # for every real gradient.
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=o["weight_decay"], eps=1e-3)
 
 
 class Run:

@@ -47,12 +47,13 @@ class Block(nn.Module):
     """A residual block. ``output``: ``tensor``; ``nested`` (the tensor in a dict of a list
     of a tuple); ``passthrough`` (also returns its input); ``hidden`` (in a ``Box``)."""
 
-    def __init__(self, dim: int = DIM, checkpoint: bool = False, output: str = "tensor") -> None:
+    def __init__(self, dim: int = DIM, checkpoint: bool = False, output: str = "tensor", reentrant: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 2 * dim)
         self.fc2 = nn.Linear(2 * dim, dim)
         self.checkpoint = checkpoint
+        self.reentrant = reentrant
         self.output = output
 
     def _residual(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +61,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         if self.checkpoint:
-            h = x + torch.utils.checkpoint.checkpoint(self._residual, x, use_reentrant=False)
+            h = x + torch.utils.checkpoint.checkpoint(self._residual, x, use_reentrant=self.reentrant)
         else:
             h = x + self._residual(x)
         if self.output == "nested":
@@ -96,7 +97,8 @@ class TinyLM(nn.Module):
     Options for runtime tests: ``reuse_first_block`` applies block 0 twice; ``unused`` adds a
     parameter and a block that never run; ``output`` is the blocks' output mode (``nested``
     also makes the model return a dataclass); ``checkpoint`` is ``"inner"`` (blocks checkpoint
-    their own computation) or ``"outer"`` (the model checkpoints each block call);
+    their own computation) or ``"outer"`` (the model checkpoints each block call), non-reentrant,
+    or ``"inner-reentrant"`` / ``"outer-reentrant"``;
     ``frozen_blocks`` freezes those blocks; ``untied_head`` replaces the tied head by a
     ``WeightOut`` module; ``frozen_embed`` freezes the embedding (needs ``untied_head``).
     """
@@ -117,7 +119,9 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.register_buffer("pos", torch.linspace(-1.0, 1.0, SEQ * dim).reshape(SEQ, dim))
-        self.blocks = nn.ModuleList(Block(dim, checkpoint == "inner", output) for _ in range(n_blocks))
+        inner = checkpoint is not None and checkpoint.startswith("inner")
+        self.reentrant = checkpoint is not None and checkpoint.endswith("reentrant")
+        self.blocks = nn.ModuleList(Block(dim, inner, output, self.reentrant) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(dim)
         self.head: nn.Module = WeightOut(vocab, dim) if untied_head else nn.Linear(dim, vocab, bias=False)
         if not untied_head:
@@ -128,7 +132,7 @@ class TinyLM(nn.Module):
         self.reuse_first_block = reuse_first_block
         self.untied_head = untied_head
         self.output = output
-        self.outer_checkpoint = checkpoint == "outer"
+        self.outer_checkpoint = checkpoint is not None and checkpoint.startswith("outer")
         self.n_used = n_blocks
         if unused:
             self.unused_param = nn.Parameter(torch.ones(3))
@@ -140,7 +144,7 @@ class TinyLM(nn.Module):
         for index in order:
             block = self.blocks[index]
             if self.outer_checkpoint:
-                h = unpack(torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False))
+                h = unpack(torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant))
             else:
                 h = unpack(block(h))
         h = self.norm(h)

@@ -409,7 +409,66 @@ def _meta_ties(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
+class DetLinear(nn.Linear):
+    """Initialises to fixed values (so a meta-built model can equal a real-built one)."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.arange(self.weight.numel(), dtype=torch.float32).reshape(self.weight.shape) * 0.01 + 1)
+            if self.bias is not None:
+                self.bias.fill_(0.5)
+
+
+class DetEmbedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.copy_(torch.arange(self.weight.numel(), dtype=torch.float32).reshape(self.weight.shape) * -0.01)
+
+
+class OddTies(nn.Module):
+    """Ties between modules at different depths, with and without other parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = DetEmbedding(VOCAB, DIM)
+        self.body = nn.Sequential(nn.Sequential(DetLinear(DIM, DIM)), DetLinear(DIM, DIM))
+        self.body[1].weight = self.body[0][0].weight
+        self.head = DetLinear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(tokens)))
+
+
+def _init_fn(module: nn.Module) -> None:
+    module.to_empty(device="cpu", recurse=False)
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _meta_equals_real(rank: int, world_size: int, init: str, policy: str) -> bool:
+    from flatshard import always_wrap_policy
+
+    with torch.device("meta"):
+        module = OddTies()
+    options: Dict[str, Any] = dict(device_id=torch.device("cpu"))
+    if init == "init_fn":
+        options["param_init_fn"] = _init_fn
+    if policy == "always":
+        options["auto_wrap_policy"] = always_wrap_policy
+    elif policy == "classes":
+        options["auto_wrap_policy"] = ModuleWrapPolicy({DetLinear, DetEmbedding})
+    _assert_close(full_params(ShardedDataParallel(module, **options)), _plain_params(OddTies()), f"{init}/{policy}")
+    return True
+
+
 class MetaTiesTest(TestCase):
+    def test_meta_built_model_equals_the_real_one_whatever_units_hold_the_ties(self) -> None:
+        for init in ("reset", "init_fn"):
+            for policy in ("none", "always", "classes"):
+                with self.subTest(init=init, policy=policy):
+                    self.assertEqual(self.pool.run(_meta_equals_real, 2, init, policy), [True, True])
+
     def test_tie_moved_to_the_enclosing_unit_is_initialised(self) -> None:
         for result in self.pool.run(_meta_ties, 2):
             self.assertEqual(result, {"finite": True, "tied_same": True, "embedding_init": True})
@@ -638,7 +697,51 @@ def _checkpoint_before_first_step(rank: int, world_size: int, optimizer: str, di
     return True
 
 
+def _frozen_state_survives(rank: int, world_size: int, phase: str, directory: str) -> Any:
+    """Block 0 trains, then is frozen (its momentum stays in the optimizer); block 1 is frozen
+    from the start (no state at all). A sharded checkpoint taken then, resumed at another world
+    size, continues like an uninterrupted run once block 0 is unfrozen again."""
+    import torch.distributed.checkpoint as dcp
+
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            _set_frozen(model, 0, step in (1, 2))
+            # (the same global batch of 12 at every world size)
+            tokens, targets = (local(t, rank, 12 // world_size) for t in batch(step, 1, per_rank=12))
+            optim.zero_grad()
+            lm_loss(model(tokens), targets).backward()
+            optim.step()
+
+    model = wrap(build(frozen_blocks=(1,)), "nested")
+    optim = make(model)
+    if phase == "save":
+        train(model, optim, range(2))
+        with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            dcp.save({"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim)}, checkpoint_id=directory)
+        train(model, optim, range(2, 5))
+        return full_params(model)
+    _set_frozen(model, 0, True)  # as it was when saved
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim)}
+        dcp.load(state, checkpoint_id=directory)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+    train(model, optim, range(2, 5))
+    return full_params(model)
+
+
 class OptimStateLoadTest(TestCase):
+    def test_state_of_frozen_and_never_stepped_units_resumes_at_another_world_size(self) -> None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as directory:
+            uninterrupted = self.pool.run(_frozen_state_survives, 2, "save", directory)[0]
+            resumed = self.pool.run(_frozen_state_survives, 3, "load", directory)[0]
+        _assert_close(resumed, uninterrupted, "resumed")
+
     def test_checkpoint_of_a_fresh_optimizer_resumes_as_fresh(self) -> None:
         import tempfile
 
@@ -763,3 +866,33 @@ class ReusedUnitOrderCheckTest(TestCase):
         self.assertGreater(counts[0], 2)
         self.assertEqual(counts[1:], [counts[1]] * 3)
         self.assertLessEqual(counts[1], 2)  # the end-of-forward check and the backward's
+
+
+# -- models are freed -----------------------------------------------------------------------------
+
+
+def _freed_after_training(rank: int, world_size: int, strategy: str) -> List[bool]:
+    """A trained model (hooks, saved-tensor guard, optimizer step hook) is garbage once the
+    user drops it."""
+    import gc
+    import weakref
+
+    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy])
+    optim = make_optim(model.parameters())
+    for step in range(2):
+        tokens, targets = (local(t, rank) for t in batch(step, world_size))
+        optim.zero_grad()
+        lm_loss(model(tokens), targets).backward()
+        optim.step()
+    lm_loss(model(tokens), targets)  # a forward whose backward never runs
+    refs = [weakref.ref(model)] + [weakref.ref(h.flat_param) for h in ShardedDataParallel.fsdp_modules(model)[0].handles]
+    del model, optim
+    gc.collect()
+    return [ref() is not None for ref in refs]
+
+
+class FreedModelsTest(TestCase):
+    def test_a_dropped_model_is_freed(self) -> None:
+        for strategy in STRATEGIES:
+            with self.subTest(strategy=strategy):
+                self.assertEqual(self.pool.run(_freed_after_training, 2, strategy)[0], [False, False])

@@ -124,6 +124,8 @@ SCENARIOS = {
     "no_grad_forward_before_backward": ({}, _no_grad_forward_before_backward, "nested"),
     "checkpoint_inside_units": ({"checkpoint": "inner"}, _plain_step, "nested"),
     "checkpoint_around_units": ({"checkpoint": "outer"}, _plain_step, "nested"),
+    "reentrant_checkpoint_inside_units": ({"checkpoint": "inner-reentrant"}, _plain_step, "nested"),
+    "reentrant_checkpoint_around_units": ({"checkpoint": "outer-reentrant"}, _plain_step, "nested"),
     "frozen_block_unit": ({"frozen_blocks": (1,)}, _plain_step, "nested"),
     "frozen_block_unit_used_twice": ({"frozen_blocks": (0,), "reuse_first_block": True}, _plain_step, "nested"),
     "frozen_embedding_unit": ({"untied_head": True, "frozen_embed": True}, _plain_step, "nested+embed"),
