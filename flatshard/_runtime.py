@@ -517,6 +517,16 @@ def _finalize_backward(ctx: RootContext, failed: bool = False) -> None:
     ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
 
 
+def reduce_held(ctx: RootContext) -> None:
+    """Outside a backward: average the gradients ``no_sync()`` left that no synchronised
+    backward averaged (see [Note: no_sync gradients at the step] in ``_stale_optimizer``).
+    Collective when there are any (every rank has the same)."""
+    if _in_backward():
+        return
+    settle(ctx)
+    _reduce_held(ctx)
+
+
 def _reduce_held(ctx: RootContext) -> None:
     """A unit used under ``no_sync`` but not in this (synchronised) backward still holds its
     accumulated gradient: reduce it now (every rank holds the same units' gradients: they ran

@@ -1,4 +1,14 @@
-"""An optimizer built before wrapping fails at its first ``step()`` instead of training nothing.
+"""What happens when an optimizer steps a wrapped model's parameters: an optimizer built
+before wrapping fails at its first ``step()`` instead of training nothing, and gradients
+accumulated under ``no_sync()`` that no synchronised backward averaged are averaged first.
+
+[Note: no_sync gradients at the step] A unit used in ``no_sync()`` micro-batches but in no
+later backward outside ``no_sync()`` (the last micro-batch skipped it, or its loss needed no
+gradient at all) still holds its accumulated, unaveraged gradient when the optimizer steps
+(DDP and FSDP1 step with it unaveraged, or not at all). The step pre-hook averages such
+gradients first, so the step sees what single-process training on the whole batch would. The
+ranks hold the same units' gradients (they ran the same micro-batches) and step together, so the
+collectives pair up; outside ``no_sync`` the check is a loop over the model's handles.
 
 [Note: stale optimizers] Wrapping moves the original parameters' values into ``FlatParameter``s
 and empties the original ``nn.Parameter`` objects (see [Note: emptied originals] in
@@ -40,6 +50,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ._runtime import reduce_held
 from ._unit import Unit
 
 __all__ = ["StaleOptimizerCheck", "watch_stale_optimizers"]
@@ -49,7 +60,8 @@ _OPTIMIZER_SOURCE = torch.optim.Optimizer.profile_hook_step.__code__.co_filename
 
 # What an optimizer's param groups were when checked: the ``param_groups`` list and each group's
 # parameter list with its length (kept, so that they are compared by identity).
-_Seen = Tuple[List[Dict[str, Any]], Tuple[Tuple[List[Any], int], ...]]
+# The last element: whether the optimizer holds any of the model's FlatParameters.
+_Seen = Tuple[List[Dict[str, Any]], Tuple[Tuple[List[Any], int], ...], bool]
 
 
 def watch_stale_optimizers(wrapper: nn.Module, unit: Unit) -> "StaleOptimizerCheck":
@@ -91,17 +103,24 @@ class StaleOptimizerCheck:
             return None
         groups = optimizer.param_groups
         seen = self._seen.get(optimizer)
-        if seen is not None and _unchanged(seen, groups):
-            return None
-        stale = _stale_params(unit, groups)
-        if stale:
-            raise ValueError(_message(optimizer, stale, self._model_class))
-        self._seen[optimizer] = (groups, tuple((g["params"], len(g["params"])) for g in groups))
+        if seen is None or not _unchanged(seen, groups):
+            stale = _stale_params(unit, groups)
+            if stale:
+                raise ValueError(_message(optimizer, stale, self._model_class))
+            seen = (groups, tuple((g["params"], len(g["params"])) for g in groups), _holds_flat_params(unit, groups))
+            self._seen[optimizer] = seen
+        if seen[2] and unit.ctx is not None:
+            reduce_held(unit.ctx)  # see [Note: no_sync gradients at the step]
         return None
 
 
+def _holds_flat_params(unit: Unit, groups: List[Dict[str, Any]]) -> bool:
+    flat = {id(h.flat_param) for member in [unit] + [u for _, u in unit.descendants] for h in member.handles}
+    return any(id(p) in flat for group in groups for p in group["params"])
+
+
 def _unchanged(seen: _Seen, groups: List[Dict[str, Any]]) -> bool:
-    groups_then, params_then = seen
+    groups_then, params_then, _ = seen
     if groups is not groups_then or len(groups) != len(params_then):
         return False
     for group, (params, length) in zip(groups, params_then):

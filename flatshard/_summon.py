@@ -195,7 +195,8 @@ def _replacements(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter
 
 
 def check_grads_averaged(handles: Sequence[FlatParamHandle], what: str) -> None:
-    """Raise if a gradient still holds a ``no_sync`` backward not averaged over the ranks."""
+    """Raise if a gradient still holds a ``no_sync`` backward not averaged over the ranks
+    (``optimizer.step()`` averages them first, but reading them before would see a part)."""
     for handle in handles:
         if handle.holds_no_sync_grad():
             raise RuntimeError(

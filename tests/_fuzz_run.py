@@ -22,7 +22,7 @@ import contextlib
 import functools
 import gc
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -428,9 +428,25 @@ class ShardedRun(Run):
         self.snapshot(step, f"after loading the checkpoint ({mode}) before step {step}")
 
 
-def rank_part(rank: int, world_size: int, case: Case, part: str, directory: str) -> Dict[str, Any]:
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def rank_part(rank: int, world_size: int, case: Case, part: str, directory: str, dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """Rank function: ``part`` is ``all`` (the whole case), ``before`` (the steps before the
-    checkpoint, then save) or ``after`` (a fresh model loads it and runs the rest)."""
+    checkpoint, then save) or ``after`` (a fresh model loads it and runs the rest); the model is
+    built in ``dtype``."""
+    with default_dtype(dtype):
+        return _rank_part(rank, world_size, case, part, directory)
+
+
+def _rank_part(rank: int, world_size: int, case: Case, part: str, directory: str) -> Dict[str, Any]:
     torch.manual_seed(0)
     run = ShardedRun(case, rank, world_size, directory)
     n, ck = len(case.steps), case.checkpoint
@@ -590,14 +606,24 @@ class Failure:
 
     def __init__(self, summary: str, details: str = "") -> None:
         self.summary, self.details = summary, details
+        self.rounding = False  # a float32 mismatch that float64 does not reproduce
 
     def __str__(self) -> str:
         return self.summary + ("\n" + self.details if self.details else "")
 
 
-def check(pool: Any, case: Case, timeout: float = 60.0) -> Optional[Failure]:
-    """Run ``case`` on the pool's ranks and as single-process training; the first difference
-    (or error) as a ``Failure``, else None."""
+def check(pool: Any, case: Case, timeout: float = 60.0, dtype: torch.dtype = torch.float32) -> Optional[Failure]:
+    """Run ``case`` on the pool's ranks and as single-process training, with the model in
+    ``dtype``; the first difference (or error) as a ``Failure``, else None. A float32 mismatch
+    that float64 does not reproduce is rounding, amplified (e.g. by a LayerNorm of nearly
+    constant input): ``Failure.rounding`` says so."""
+    failure = _check(pool, case, timeout, dtype)
+    if failure is not None and dtype == torch.float32 and failure.summary.startswith("mismatch"):
+        failure.rounding = _check(pool, case, timeout, torch.float64) is None
+    return failure
+
+
+def _check(pool: Any, case: Case, timeout: float, dtype: torch.dtype) -> Optional[Failure]:
     import shutil
     import tempfile
     import traceback
@@ -607,15 +633,16 @@ def check(pool: Any, case: Case, timeout: float = 60.0) -> Optional[Failure]:
     try:
         try:
             if ck is not None and ck["new_task"]:
-                parts = [pool.run(rank_part, case.world_size, case, "before", directory, timeout=timeout)]
-                parts.append(pool.run(rank_part, ck["world_size"], case, "after", directory, timeout=timeout))
+                parts = [pool.run(rank_part, case.world_size, case, "before", directory, dtype, timeout=timeout)]
+                parts.append(pool.run(rank_part, ck["world_size"], case, "after", directory, dtype, timeout=timeout))
             else:
-                parts = [pool.run(rank_part, case.world_size, case, "all", directory, timeout=timeout)]
+                parts = [pool.run(rank_part, case.world_size, case, "all", directory, dtype, timeout=timeout)]
         except BaseException as exc:  # noqa: BLE001 - any error of the ranks is a finding
             text = "".join(traceback.format_exception(exc))
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return Failure(f"error: {type(exc).__name__}: {first[:200]}", text)
-        return _compare_parts(case, parts)
+        with default_dtype(dtype):
+            return _compare_parts(case, parts)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -223,7 +223,41 @@ def _no_sync_leaves_no_full_gradient(rank: int, world_size: int, strategy: str) 
     return [h.holds_no_sync_grad() for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles]
 
 
+def _no_synced_backward(rank: Optional[int], world_size: int, strategy: str = "FULL_SHARD") -> Dict[str, torch.Tensor]:
+    """Micro-batches under no_sync, then a last one whose loss needs no backward: the step
+    averages what the no_sync backwards accumulated."""
+    torch.manual_seed(0)
+    model: nn.Module = Branchy()
+    if rank is not None:
+        model = _wrap_branchy(model, sharding_strategy=ShardingStrategy[strategy])
+    optim = make_optim(model.parameters())
+    for step in range(3):
+        optim.zero_grad()
+        for micro in range(3):
+            tokens, targets = batch(10 * step + micro, world_size)
+            if rank is not None:
+                tokens, targets = local(tokens, rank), local(targets, rank)
+            if micro == 2:  # e.g. a batch the loop decides not to learn from
+                with torch.no_grad():
+                    model(tokens, False)
+                continue
+            with model.no_sync() if rank is not None else contextlib.nullcontext():
+                (lm_loss(model(tokens, micro == 0), targets) / 2).backward()
+        optim.step()
+    return _plain_params(model) if rank is None else full_params(model)
+
+
+def _no_synced_backward_parity(rank: int, world_size: int, strategy: str) -> bool:
+    _assert_close(_no_synced_backward(rank, world_size, strategy), _no_synced_backward(None, world_size), strategy)
+    return True
+
+
 class NoSyncAbsentUnitTest(TestCase):
+    def test_gradients_no_synchronised_backward_averaged_are_averaged_at_the_step(self) -> None:
+        for strategy in STRATEGIES:
+            with self.subTest(strategy=strategy):
+                self.assertEqual(self.pool.run(_no_synced_backward_parity, 2, strategy), [True, True])
+
     def test_unit_used_only_under_no_sync_gets_its_gradient(self) -> None:
         for strategy in STRATEGIES:
             with self.subTest(strategy=strategy):
@@ -525,12 +559,48 @@ def _failed_backward_parity(rank: int, world_size: int, strategy: str, set_to_no
     return True
 
 
+def _right_after_a_failed_backward(rank: int, world_size: int, strategy: str, no_sync_first: bool) -> Tuple[float, int, int]:
+    """clip_grad_norm_, a full state dict and summon_full_params right after a backward that
+    raised (and was followed by zero_grad), optionally after a no_sync micro-batch."""
+    model = wrap(build(n_blocks=4, untied_head=True), "nested", sharding_strategy=ShardingStrategy[strategy])
+    optim = make_optim(model.parameters())
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    lm_loss(model(tokens), targets).backward()
+    optim.step()
+    optim.zero_grad()
+    if no_sync_first:
+        with model.no_sync():
+            lm_loss(model(tokens), targets).backward()
+    handle = model.module.embed.register_forward_hook(_hook_output_to_raise)
+    loss = lm_loss(model(tokens), targets)
+    handle.remove()
+    try:
+        loss.backward()
+        raise AssertionError("the backward did not raise")
+    except Boom:
+        optim.zero_grad()
+    norm = float(model.clip_grad_norm_(1.0))
+    with ShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        keys = len(model.state_dict())
+    with ShardedDataParallel.summon_full_params(model):
+        summoned = len(list(model.named_parameters()))
+    return norm, keys, summoned
+
+
 class FailedBackwardTest(TestCase):
     def test_a_skipped_batch_leaves_no_gradient_behind(self) -> None:
         for strategy in STRATEGIES:
             for set_to_none in (True, False):
                 with self.subTest(strategy=strategy, set_to_none=set_to_none):
                     self.assertEqual(self.pool.run(_failed_backward_parity, 2, strategy, set_to_none), [True, True])
+
+    def test_clip_state_dict_and_summon_work_right_after(self) -> None:
+        for strategy in STRATEGIES:
+            for no_sync_first in (False, True):
+                with self.subTest(strategy=strategy, no_sync_first=no_sync_first):
+                    # no gradient is left (zero_grad set them to None): the norm is 0; 28
+                    # parameters (4 blocks, embedding, norm, head) and the buffer
+                    self.assertEqual(self.pool.run(_right_after_a_failed_backward, 2, strategy, no_sync_first), [(0.0, 29, 28)] * 2)
 
 
 # -- 7. a forward without backward, then a step, then a forward -------------------------------
@@ -564,11 +634,32 @@ def _metric_parity(rank: int, world_size: int, strategy: str) -> bool:
     return True
 
 
+def _state_dict_after_metric(rank: int, world_size: int, strategy: str) -> bool:
+    """A full state dict taken after a metric forward (no backward) and an optimizer step
+    holds the stepped values, also of units the metric left gathered."""
+    plain: nn.Module = build()
+    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy])
+    tokens, targets = batch(0, world_size)
+    for m, x, y in ((plain, tokens, targets), (model, local(tokens, rank), local(targets, rank))):
+        optim = make_optim(m.parameters())
+        lm_loss(m(x), y).backward()
+        lm_loss(m(x), y)  # a metric: autograd on, never backpropagated
+        optim.step()
+    state = model.state_dict()
+    _assert_close({n: state[n] for n in _plain_params(plain)}, _plain_params(plain), f"{strategy} state dict")
+    return True
+
+
 class StaleGatherTest(TestCase):
     def test_units_gathered_before_an_optimizer_step_compute_with_the_new_values(self) -> None:
         for strategy in STRATEGIES:
             with self.subTest(strategy=strategy):
                 self.assertEqual(self.pool.run(_metric_parity, 2, strategy), [True, True])
+
+    def test_state_dicts_read_the_new_values(self) -> None:
+        for strategy in STRATEGIES:
+            with self.subTest(strategy=strategy):
+                self.assertEqual(self.pool.run(_state_dict_after_metric, 2, strategy), [True, True])
 
     def test_mixed_precision_copy_is_refreshed_too(self) -> None:
         mp = MixedPrecision(param_dtype=torch.float64)

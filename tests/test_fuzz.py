@@ -18,7 +18,9 @@ checkpoint saved and loaded mid-run - full, full via ``optim_state_dict``, rank-
 sharded through ``torch.distributed.checkpoint`` - in the same pool task or in a new one at
 another world size). The truth (``tests/_fuzz_run.py``) is the same schedule trained in one
 process; losses (averaged over the ranks), clip norms, and all parameters and buffers are
-compared (RTOL 1e-5, ATOL 1e-6).
+compared (RTOL 1e-5, ATOL 1e-6). A float32 mismatch is run again in float64: if that passes, the
+difference is rounding that the model amplifies (e.g. a LayerNorm of nearly constant input), and
+long mode logs it apart instead of counting it as a failure.
 
 The suite runs ``SEEDS`` x ``WORLD_SIZES`` (28 fixed cases, about 30 s on 2 cores).
 
@@ -71,7 +73,8 @@ def test_fuzz_seed(rank_pool, seed, world_size):
         case = generate(seed, world_size=world_size, features=FEATURES)
     failure = check(rank_pool, case)
     if failure is not None:
-        pytest.fail(f"{failure.summary}\n\n{describe(case)}\n\n{failure.details}", pytrace=False)
+        rounding = " (float32 rounding only: the case passes in float64)" if failure.rounding else ""
+        pytest.fail(f"{failure.summary}{rounding}\n\n{describe(case)}\n\n{failure.details}", pytrace=False)
 
 
 @pytest.mark.skipif(not LONG, reason="set FLATSHARD_FUZZ_SECONDS or FLATSHARD_FUZZ_CASES")

@@ -229,6 +229,59 @@ def _errors(rank, world_size):
     return messages
 
 
+def _unsupported(rank, world_size):
+    """What the optimizer state-dict methods refuse, each with NotImplementedError."""
+    model = _wrapped()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _step(model, optim, 0, rank, world_size)
+    messages = []
+
+    def expect(call):
+        try:
+            call()
+            messages.append("no error")
+        except NotImplementedError as exc:
+            messages.append(str(exc))
+
+    expect(lambda: ShardedDataParallel.full_optim_state_dict(model, optim, optim_input=list(model.parameters())))
+    with ShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        expect(lambda: ShardedDataParallel.optim_state_dict(model, optim))
+    return messages
+
+
+def _disagreeing_ranks(rank, world_size):
+    """Rank 1's optimizer never stepped block 0 (its gradient was dropped there), so the ranks
+    hold different state: gathering it is an error on every rank, not a hang."""
+    model = _wrapped()
+    optim = torch.optim.Adam(_groups(model.named_parameters()), lr=1e-2)
+    tokens, targets = batch(0, 1, per_rank=GLOBAL_ROWS)
+    lm_loss(model(tokens), targets).backward()
+    if rank == 1:
+        model.module.blocks[0].zero_grad(set_to_none=True)
+    optim.step()
+    try:
+        ShardedDataParallel.full_optim_state_dict(model, optim)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _split_group(rank, world_size):
+    """A saved dict whose param groups split the originals of one FlatParameter."""
+    model = _wrapped()
+    optim = torch.optim.Adam(_groups(model.named_parameters()), lr=1e-2)
+    _step(model, optim, 0, rank, world_size)
+    osd = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+    rest, blocks = osd["param_groups"]
+    blocks["params"].remove("blocks.0.fc1.weight")
+    rest["params"].append("blocks.0.fc1.weight")
+    try:
+        ShardedDataParallel.shard_full_optim_state_dict(osd, model, optim=optim)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _fsdp1(seed):
     return torch_fsdp.FullyShardedDataParallel(
         build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
@@ -367,6 +420,23 @@ class OptimStateTest(TestCase):
     def test_scalar_state_of_0_dim_parameters_and_differing_step_counts(self):
         out = self.pool.run(_unusual_state, 2)[0]
         self.assertEqual(out, {"NAdam": ["exp_avg", "exp_avg_sq", "mu_product", "step"], "ASGD": ["ax", "eta", "mu", "step"]})
+
+    def test_optim_input_and_local_state_dicts_are_not_implemented(self):
+        messages = self.pool.run(_unsupported, 1)[0]
+        self.assertExpectedInline("\n".join(messages), """\
+optim_input (FSDP1's deprecated alternative to optim) is not supported here; pass optim
+optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL or SHARDED""")
+
+    def test_ranks_with_different_optimizer_state_fail_together(self):
+        for rank, message in enumerate(self.pool.run(_disagreeing_ranks, 2, timeout=60)):
+            self.assertEqual(
+                message,
+                f"[rank {rank}] the ranks' optimizers hold different state (every rank must step the same parameters): "
+                "rank 0 has [blocks.0.norm.weight: exp_avg, exp_avg_sq, step], rank 1 has [blocks.0.norm.weight: no state]",
+            )
+
+    def test_originals_of_one_flat_parameter_in_two_saved_groups_are_refused(self):
+        self.assertExpectedInline(self.pool.run(_split_group, 1)[0], """param group 1 of the optimizer holds parameters of the state dict's groups 1 and 0 (e.g. 'blocks.0.fc1.weight'); parameters of one FlatParameter or optimizer group must share a group""")
 
     def test_errors_name_the_parameters(self):
         messages = self.pool.run(_errors, 2)[0]

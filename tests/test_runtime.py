@@ -387,7 +387,9 @@ class RankAgreementTest(TestCase):
   unit #3: rank 0 has 'blocks.2' (FULL_SHARD, backward_prefetch=BACKWARD_PRE, forward_prefetch=False; torch.float32, requires_grad=True: norm.weight (8,), norm.bias (8,), fc1.weight (16, 8), fc1.bias (16,), fc2.weight (8, 16), fc2.bias (8,))
              rank 1 has (no such unit)""",
         )
+        self.assertIn("rank 1 also failed", "".join(getattr(caught.exception, "__notes__", [])))  # every rank raises
 
     def test_ranks_with_different_options_fail_at_first_forward(self):
-        with self.assertRaisesRegex(ValueError, "backward_prefetch=BACKWARD_POST"):
+        with self.assertRaisesRegex(ValueError, "backward_prefetch=BACKWARD_POST") as caught:
             self.pool.run(_divergent_options, 2, timeout=60)
+        self.assertIn("rank 1 also failed", "".join(getattr(caught.exception, "__notes__", [])))

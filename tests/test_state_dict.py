@@ -301,6 +301,27 @@ def _divergent_load(rank, world_size):
     return errors
 
 
+def _sharded_value_types(rank, world_size):
+    """Type names of the values of sharded model and optimizer state dicts, with
+    ``_use_dtensor`` (FSDP1's switch between ShardedTensor and DTensor) off and on."""
+    model = _model("nested")
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, rank, world_size, 0, 1, optim)
+    buffers = {name for name, _ in model.module.named_buffers()}
+    types = {}
+    for use_dtensor in (False, True):
+        config = ShardedStateDictConfig(_use_dtensor=use_dtensor)
+        with ShardedDataParallel.state_dict_type(model, SHARDED, config):
+            state = model.state_dict()
+            osd = ShardedDataParallel.optim_state_dict(model, optim)
+        types[use_dtensor] = (
+            {type(v).__name__ for k, v in state.items() if k not in buffers},
+            {type(v).__name__ for k, v in state.items() if k in buffers},
+            {type(v).__name__ for s in osd["state"].values() for k, v in s.items() if k != "step"},
+        )
+    return types
+
+
 class RoundTripTest(TestCase):
     def test_every_type_round_trips_bit_exactly_at_world_sizes_1_to_4(self):
         for world_size in (1, 2, 3, 4):
@@ -312,6 +333,12 @@ class RoundTripTest(TestCase):
         reports = self.pool.run(_full_matches_plain_model, 2)
         self.assertEqual(reports[0], {"nested": True, "auto": True, "frozen": True})  # ties alias, as in torch
         self.assertEqual(reports[1], {"nested": {}, "auto": {}, "frozen": {}})  # rank0_only
+
+    def test_sharded_values_are_always_dtensors(self):
+        for types in self.pool.run(_sharded_value_types, 2):
+            # parameters and optimizer state: DTensor parts; buffers: the rank's full copy
+            expected = ({"DTensor"}, {"Tensor"}, {"DTensor"})
+            self.assertEqual(types, {False: expected, True: expected})
 
 
 class ResumeTest(TestCase):
