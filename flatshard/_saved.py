@@ -31,19 +31,17 @@ from .flat_param import storage_key_of
 _Hooks = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
-class _Saved:
-    """A saved tensor as the hooks keep it: a detached alias (or what the outer hooks made
-    of it), its version when saved, and the storage key of the full flat tensor it views
-    (``None`` for anything else)."""
+class _SavedParam:
+    """A saved tensor that views a freeable full flat tensor: what the hooks made of it, its
+    version when saved, and the storage key of the full flat tensor. (Any other saved tensor
+    is kept as a plain ``(value, version)`` pair: the hooks run for every saved tensor.)"""
 
-    __slots__ = ("value", "version", "key", "shape", "dtype")
+    __slots__ = ("value", "version", "key")
 
-    def __init__(self, value: Any, version: int, key: Optional[int], tensor: torch.Tensor) -> None:
+    def __init__(self, value: Any, version: int, key: int) -> None:
         self.value = value
         self.version = version
         self.key = key
-        self.shape = tuple(tensor.shape)
-        self.dtype = tensor.dtype
 
 
 def _current_hooks() -> Optional[_Hooks]:
@@ -85,22 +83,28 @@ class SavedParamGuard:
         owned, gather = self._owned, self._gather
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
-        def pack(tensor: torch.Tensor) -> _Saved:
+        def pack(tensor: torch.Tensor) -> Any:
             key = storage_key_of(tensor)
             value = outer_pack(tensor) if outer_pack is not None else tensor.detach()
-            return _Saved(value, tensor._version, key if key in owned else None, tensor)
+            if key is not None and key in owned:
+                return _SavedParam(value, tensor._version, key)
+            return (value, tensor._version)
 
-        def unpack(saved: _Saved) -> torch.Tensor:
-            if saved.key is not None:
+        def unpack(saved: Any) -> torch.Tensor:
+            if type(saved) is tuple:
+                value, version = saved
+            else:
                 gather(saved.key)
-            tensor = outer_unpack(saved.value) if outer_unpack is not None else saved.value
-            if outer_unpack is None and tensor._version != saved.version:
+                value, version = saved.value, saved.version
+            if outer_unpack is not None:
+                return outer_unpack(value)
+            if value._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: a {saved.dtype} tensor of shape {list(saved.shape)} saved in a "
-                    f"ShardedDataParallel forward is at version {tensor._version}; expected version "
-                    f"{saved.version} instead"
+                    f"inplace operation: a {value.dtype} tensor of shape {list(value.shape)} saved in a "
+                    f"ShardedDataParallel forward is at version {value._version}; expected version "
+                    f"{version} instead"
                 )
-            return tensor
+            return value
 
         return pack, unpack

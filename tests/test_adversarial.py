@@ -137,7 +137,87 @@ def _aux_parity(rank: int, world_size: int, strategy: str, prefetch: Optional[st
     return True
 
 
+class InPlaceAfterSave(nn.Module):
+    """Modifies, in place, a tensor an earlier operation saved for backward (a user bug
+    autograd reports)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        y = h.sin()  # saves h
+        h.add_(1.0)
+        return y
+
+
+def _inplace_error(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = ShardedDataParallel(nn.Sequential(nn.Linear(DIM, DIM), InPlaceAfterSave()))
+    try:
+        model(torch.randn(2, DIM)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+class DetachedRead(nn.Module):
+    """A loss term that reads a weight through ``.detach()`` (no gradient to the weight, but
+    backward reads its values) after the output exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.extra: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.fc(x))
+        self.extra = (out * self.fc.weight.detach()[0]).square().mean() * 1e-1
+        return out
+
+
+def _detached_and_save_on_cpu(rank: Optional[int], world_size: int, save_on_cpu: bool) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model: nn.Module = nn.Sequential(nn.Embedding(VOCAB, DIM), DetachedRead(), DetachedRead(), nn.Linear(DIM, VOCAB))
+    blocks = [model[1], model[2]]
+    if rank is not None:
+        model[1], model[2] = ShardedDataParallel(model[1]), ShardedDataParallel(model[2])
+        model = ShardedDataParallel(model)
+    optim = make_optim(model.parameters())
+    losses = []
+    for step in range(3):
+        tokens, targets = batch(step, world_size)
+        if rank is not None:
+            tokens, targets = local(tokens, rank), local(targets, rank)
+        optim.zero_grad()
+        hooks = torch.autograd.graph.save_on_cpu() if save_on_cpu else contextlib.nullcontext()
+        with hooks:
+            loss = lm_loss(model(tokens), targets) + sum(b.extra for b in blocks)
+        loss.backward()
+        optim.step()
+        losses.append(loss.item() if rank is None else global_mean(loss))
+    return losses, (_plain_params(model) if rank is None else full_params(model))
+
+
+def _detached_parity(rank: int, world_size: int, save_on_cpu: bool) -> bool:
+    reference = _detached_and_save_on_cpu(None, world_size, save_on_cpu)
+    actual = _detached_and_save_on_cpu(rank, world_size, save_on_cpu)
+    _assert_losses(actual[0], reference[0])
+    _assert_close(actual[1], reference[1])
+    return True
+
+
 class SideChannelTest(TestCase):
+    def test_in_place_change_of_a_saved_tensor_is_still_an_error(self) -> None:
+        for message in self.pool.run(_inplace_error, 2):
+            self.assertRegex(message, r"one of the variables needed for gradient computation has been modified by an inplace operation")
+
+    def test_weights_read_through_detach_and_hooks_around_the_forward(self) -> None:
+        for save_on_cpu in (False, True):
+            with self.subTest(save_on_cpu=save_on_cpu):
+                self.assertEqual(self.pool.run(_detached_parity, 2, save_on_cpu), [True, True])
+
     def test_aux_loss_from_parameters_after_the_output_trains_like_single_process(self) -> None:
         for strategy in STRATEGIES:
             for prefetch in PREFETCHES:
