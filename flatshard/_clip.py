@@ -102,7 +102,7 @@ def _gradients(units: List[Unit], module: nn.Module) -> Tuple[_Grads, _Grads]:
     handles: Dict[int, FlatParamHandle] = {id(h.flat_param): h for unit in units for h in unit.handles}
     for handle in handles.values():
         handle.drop_grad_if_zeroed()  # (a no_sync gradient the user zeroed since does not count)
-    check_grads_averaged(list(handles.values()), f"{units[0].where()}: {_WHAT}")
+    check_grads_averaged(units, f"{units[0].where()}: {_WHAT}")
     group = units[0].group
     sharded: _Grads = []
     whole: _Grads = []

@@ -25,7 +25,7 @@ from torch import nn
 from ._collectives import first_difference
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
-from ._runtime import settle
+from ._runtime import reduce_held, settle
 from ._unit import Unit
 from .flat_param import FlatParamHandle
 
@@ -79,7 +79,7 @@ def summon_full_params(
     check_idle(units, "summon_full_params")
     handles = [h for unit in units for h in unit.handles]
     if with_grads:
-        check_grads_averaged(handles, "summon_full_params(with_grads=True)")
+        check_grads_averaged(units, "summon_full_params(with_grads=True)")
     if units:
         flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
         items = [flags] + [f"unit {display_name(u.name)}" for u in units]
@@ -194,14 +194,19 @@ def _replacements(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter
     return replaced
 
 
-def check_grads_averaged(handles: Sequence[FlatParamHandle], what: str) -> None:
-    """Raise if a gradient still holds a ``no_sync`` backward not averaged over the ranks
-    (``optimizer.step()`` averages them first, but reading them before would see a part)."""
-    for handle in handles:
+def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
+    """Before reading gradients: outside ``no_sync()``, average what ``no_sync`` backwards left
+    that no synchronised backward averaged (collective, as ``optimizer.step()`` does; see
+    [Note: no_sync gradients at the step] in ``_stale_optimizer``). Inside it they cannot be:
+    raise."""
+    for ctx in {id(u.ctx): u.ctx for u in units if u.ctx is not None}.values():
+        if all(u.sync_gradients for u in ctx.units):
+            reduce_held(ctx)
+    for handle in (h for unit in units for h in unit.handles):
         if handle.holds_no_sync_grad():
             raise RuntimeError(
-                f"{what} after a backward under no_sync(): the gradients are not averaged over the ranks "
-                f"yet; run a backward outside no_sync() first"
+                f"{what} inside no_sync() after a backward under it: the gradients are not averaged over "
+                f"the ranks yet; call it outside no_sync(), which averages them first"
             )
 
 

@@ -304,8 +304,8 @@ def _no_sync_leaves_no_full_gradient(rank: int, world_size: int, strategy: str) 
 
 
 def _no_synced_backward(rank: Optional[int], world_size: int, strategy: str = "FULL_SHARD") -> Dict[str, torch.Tensor]:
-    """Micro-batches under no_sync, then a last one whose loss needs no backward: the step
-    averages what the no_sync backwards accumulated."""
+    """Micro-batches under no_sync, then a last one whose loss needs no backward: clipping (and
+    then the step) averages what the no_sync backwards accumulated first."""
     torch.manual_seed(0)
     model: nn.Module = Branchy()
     if rank is not None:
@@ -323,6 +323,11 @@ def _no_synced_backward(rank: Optional[int], world_size: int, strategy: str = "F
                 continue
             with model.no_sync() if rank is not None else contextlib.nullcontext():
                 (lm_loss(model(tokens, micro == 0), targets) / 2).backward()
+        if step == 1:
+            if rank is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            else:
+                model.clip_grad_norm_(0.1)
         optim.step()
     return _plain_params(model) if rank is None else full_params(model)
 

@@ -261,7 +261,7 @@ def _wrong_time(rank, world_size):
     out.update(seen)
     with model.no_sync():
         lm_loss(model(tokens), targets).backward()
-    out["no_sync"] = _message(lambda: _clip(model, 1.0), RuntimeError)
+        out["no_sync"] = _message(lambda: _clip(model, 1.0), RuntimeError)
     model.zero_grad()  # drops the held gradient: clipping works again
     lm_loss(model(tokens), targets).backward()
     _clip(model, 1.0)
@@ -293,4 +293,4 @@ nested: [rank R] unit 'blocks.1': clip_grad_norm_() must be called on the root S
 summon: [rank R] unit the root module: clip_grad_norm_() cannot be used inside summon_full_params (the unit's full parameters are already summoned)
 forward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in FORWARD (during forward or backward); call it between iterations
 backward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in BACKWARD_PRE (during forward or backward); call it between iterations
-no_sync: [rank R] unit the root module: clip_grad_norm_() after a backward under no_sync(): the gradients are not averaged over the ranks yet; run a backward outside no_sync() first""")
+no_sync: [rank R] unit the root module: clip_grad_norm_() inside no_sync() after a backward under it: the gradients are not averaged over the ranks yet; call it outside no_sync(), which averages them first""")

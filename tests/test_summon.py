@@ -511,7 +511,7 @@ def _lifetimes(rank, world_size):
     out["grad_untouched"] = torch.equal(model.blocks[0].module._flat_param.grad, before)
     with model.no_sync():
         lm_loss(model(tokens), targets).backward()
-    out["no_sync"] = _message(lambda: _enter(model, with_grads=True), RuntimeError)
+        out["no_sync"] = _message(lambda: _enter(model, with_grads=True), RuntimeError)
     model, reference = _model(), build()
 
     def change():
@@ -532,8 +532,8 @@ class ReviewRegressionsTest(TestCase):
         self.assertEqual((first["kept"], first["grad_untouched"]), ((0,), True))
         self.assertEqual(
             first["no_sync"],
-            "summon_full_params(with_grads=True) after a backward under no_sync(): the gradients are not averaged "
-            "over the ranks yet; run a backward outside no_sync() first",
+            "summon_full_params(with_grads=True) inside no_sync() after a backward under it: the gradients are not "
+            "averaged over the ranks yet; call it outside no_sync(), which averages them first",
         )
         self.assertEqual(
             first["partial"],
