@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import pickle
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -80,6 +81,19 @@ class Pending:
             self._work = None
 
 
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective as an observer of a ``Communicator`` sees it: its kind (``all_gather``,
+    ``reduce_scatter``, ``all_reduce``, ``broadcast``), the ``torch.distributed`` function
+    called, the bytes this rank sends (what the algorithm gloo uses for it must send), and
+    whether it is a small agreement check rather than data."""
+
+    kind: str
+    op: str
+    nbytes: int
+    check: bool = False
+
+
 class Communicator:
     """The collectives of one process group (see [Note: collectives per backend]).
 
@@ -94,6 +108,17 @@ class Communicator:
         self.rank = rank_of(group)
         self.world_size = size_of(group)
         self.gloo = "gloo" in backend_of(group)
+        # Told about every collective issued (tests' trace of a step); see ``observe``.
+        self._observer: Optional[Callable[[CollectiveEvent], None]] = None
+
+    def observe(self, observer: Optional[Callable[[CollectiveEvent], None]]) -> None:
+        """Call ``observer`` with a ``CollectiveEvent`` for each collective issued from now on
+        (``None``: stop)."""
+        self._observer = observer
+
+    def _note(self, kind: str, op: str, nbytes: int, check: bool = False) -> None:
+        if self._observer is not None:
+            self._observer(CollectiveEvent(kind, op, nbytes, check))
 
     def global_ranks(self) -> List[int]:
         """The group's ranks in the default group, in group order."""
@@ -106,11 +131,14 @@ class Communicator:
             raise RuntimeError("the process group of this ShardedDataParallel model was destroyed")
         return group
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, check: bool = False) -> Pending:
         """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's shard, in rank order."""
+        sent = shard.numel() * shard.element_size() * (self.world_size - 1)
         if self.gloo:
+            self._note("all_gather", "all_gather", sent, check)
             work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
         else:
+            self._note("all_gather", _all_gather_flat.__name__, sent, check)
             work = _all_gather_flat(output, shard, group=self.group, async_op=True)
         return _maybe_wait(Pending(work), async_op)
 
@@ -127,6 +155,8 @@ class Communicator:
         if world == 1:
             output.copy_(full)
             return Pending(None)
+        sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
+        self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:
             received = torch.empty_like(full)
             work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
@@ -145,6 +175,7 @@ class Communicator:
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
+        self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size)), async_op)
 
@@ -154,11 +185,17 @@ class Communicator:
         if op not in ops:
             raise ValueError(f"all_reduce: op must be 'sum' or 'max'; got {op!r}")
         if self.world_size > 1:
+            self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
             dist.all_reduce(tensor, op=ops[op], group=self.group)
+
+    def _ring_bytes(self, tensor: torch.Tensor) -> int:
+        """What a ring all-reduce sends per rank: 2 (world - 1) / world of the tensor."""
+        return 2 * tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> None:
         """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
         if self.world_size > 1:
+            self._note("broadcast", "broadcast", tensor.numel() * tensor.element_size() if self.rank == 0 else 0)
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
 
     def gather_ints(self, value: int, device: torch.device) -> List[int]:
@@ -167,7 +204,7 @@ class Communicator:
             return [value]
         mine = torch.tensor([value], dtype=torch.int64, device=device)
         everyone = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.all_gather(everyone, mine)
+        self.all_gather(everyone, mine, check=True)
         return [int(v) for v in everyone.tolist()]
 
 

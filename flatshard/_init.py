@@ -26,7 +26,6 @@ from ._collectives import (
 )
 from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
 from ._materialize import has_meta, materialize, retie
-from ._runtime import register_hooks
 from ._unit import Unit, UnitConfig
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, FlatParamHandle, OrigParam, Precision
@@ -123,12 +122,11 @@ def build_unit(
         )
         for i, members in enumerate(group_params(params))
     ]
-    unit = Unit(handles, config, group, device)
-    unit.cast_buffers = _cast_buffers(config, buffers)
-    unit.replicate_group = replicate_group
     mesh = options["device_mesh"]
-    unit.device_mesh = mesh if mesh is not None and mesh.ndim == 1 else None
-    register_hooks(unit)
+    unit = Unit(
+        handles, config, group, device, replicate_group, _cast_buffers(config, buffers),
+        mesh if mesh is not None and mesh.ndim == 1 else None,
+    )
     unit.adopt(nested)
     return unit
 

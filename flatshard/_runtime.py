@@ -1,4 +1,8 @@
-"""Forward and backward of a unit: when to gather, free and reduce.
+"""Forward and backward of the units of one root: when to gather, free and reduce.
+
+``lazy_init`` binds a root's units to one ``RootRuntime`` (the root's ``RootContext``, with
+the behaviour); from then on the wrapper's forward, the autograd hooks (bound to it when
+registered) and the end-of-backward callback are its methods.
 
 [Note: unit life cycle] Per iteration a unit goes IDLE -> FORWARD -> IDLE (its forward),
 then IDLE -> BACKWARD_PRE (its backward is about to run: a hook on one of its forward outputs
@@ -39,7 +43,7 @@ from ._collectives import all_gather_object, fingerprint
 from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
 from ._saved import SavedParamGuard
-from ._unit import BackwardState, RootContext, Unit
+from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle
 
@@ -54,28 +58,48 @@ MAX_REDUCTIONS_IN_FLIGHT = 2
 MAX_PREFETCHED = 2
 
 
-def register_hooks(unit: Unit) -> None:
-    """Hook the gradient accumulation of the unit's handles that require grad (now; the
-    others when they first do, see ``_hook_new_trainables``)."""
-    _hook_new_trainables(unit)
+def lazy_init(unit: Unit) -> "RootRuntime":
+    """The runtime of ``unit``'s root, made (and bound to all its units) at the root's first
+    forward. Collective then: the ranks check once that they built the same units."""
+    if isinstance(unit.ctx, RootRuntime):
+        return unit.ctx
+    root = root_of(unit)
+    if isinstance(root.ctx, RootRuntime):
+        return root.ctx
+    check_same_units(root)
+    runtime = RootRuntime(root)
+    for member in runtime.units:
+        member.bind(runtime)
+        runtime.hook_new_trainables(member)
+    return runtime
 
 
-def _hook_new_trainables(unit: Unit) -> None:
-    # The hook holds the unit weakly: it lives on the full flat tensor (in C++, out of the
-    # garbage collector's sight), which the unit owns; a strong reference would keep every
-    # deleted model alive.
-    ref = weakref.ref(unit)
-    for handle in unit.handles:
-        handle.sync_requires_grad()
-        if handle.requires_grad and handle not in unit.grad_hooks:
-            hook = functools.partial(_post_backward_hook, ref, weakref.ref(handle))
-            unit.grad_hooks[handle] = handle.grad_leaf.register_post_accumulate_grad_hook(hook)
+def settle(ctx: Optional[RootContext]) -> None:
+    """Outside a backward: clean up after a backward that raised, if the last one did."""
+    if isinstance(ctx, RootRuntime):
+        ctx.settle()
 
 
-def _post_backward_hook(unit_ref: "weakref.ref[Unit]", handle_ref: "weakref.ref[FlatParamHandle]", leaf: torch.Tensor) -> None:
-    unit, handle = unit_ref(), handle_ref()
-    if unit is not None and handle is not None:
-        _post_backward(unit, handle, leaf)
+def reduce_held(ctx: Optional[RootContext]) -> None:
+    """Outside a backward: average the gradients ``no_sync()`` left that no synchronised
+    backward averaged (see [Note: no_sync gradients at the step] in ``_stale_optimizer``).
+    Collective when there are any (every rank has the same)."""
+    if isinstance(ctx, RootRuntime) and not _in_backward():
+        ctx.settle()
+        ctx.reduce_held()
+
+
+@contextlib.contextmanager
+def no_sync(units: Sequence[Unit]) -> Iterator[None]:
+    """Skip gradient reduction in ``units`` while inside; restore the previous setting after."""
+    previous = [unit.sync_gradients for unit in units]
+    for unit in units:
+        unit.sync_gradients = False
+    try:
+        yield
+    finally:
+        for unit, value in zip(units, previous):
+            unit.sync_gradients = value
 
 
 def _in_backward() -> bool:
@@ -83,43 +107,452 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# -- forward ------------------------------------------------------------------------------
+def _post_accumulate(runtime_ref: "weakref.ref[RootRuntime]", unit_ref: "weakref.ref[Unit]", handle_ref: "weakref.ref[FlatParamHandle]", leaf: torch.Tensor) -> None:
+    # (lives on the full flat tensor, in C++ and out of the garbage collector's sight: it
+    # holds everything weakly, or every deleted model would stay alive)
+    runtime, unit, handle = runtime_ref(), unit_ref(), handle_ref()
+    if runtime is not None and unit is not None and handle is not None:
+        runtime.post_backward(unit, handle)
 
 
-def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """The wrapper's forward: gather, run the wrapped module, free or hook for backward."""
-    ctx = unit.ctx
-    if ctx is None:
-        raise AssertionError(f"{unit.where()}: forward before lazy init")
-    if unit.is_root:
-        _root_pre_forward(ctx)
-        if unit.device.type != "cpu":
-            args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
-    args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
-    _pre_forward(unit, ctx, (args, kwargs))
-    try:
-        with _guard_saved(ctx):
-            output = module(*args, **kwargs)
-    except BaseException:
-        if unit.training_state is _FORWARD:
-            unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
-        raise
-    if input_dtype is not None:  # a full-precision unit hands back the dtype it was given
-        output = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, output)
-    _post_forward(unit, ctx, output)
-    if unit.is_root:
-        _root_post_forward(ctx)
-    return output
+def _label(unit: Unit) -> str:
+    return display_name(unit.name)
 
 
-def _guard_saved(ctx: RootContext) -> Any:
-    """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
-    (activation checkpointing) keeps its unit gathered until its backward instead."""
-    if not torch.is_grad_enabled() or _in_backward() or not ctx.freeable:
-        return contextlib.nullcontext()
-    if ctx.saved_guard is None:
-        ctx.saved_guard = SavedParamGuard(ctx.freeable, functools.partial(_gather_saved, weakref.ref(ctx)))
-    return ctx.saved_guard.active()
+class RootRuntime(RootContext):
+    """The forward and backward machinery of one root's units (see the module docstring)."""
+
+    def __init__(self, root: Unit) -> None:
+        super().__init__(root)
+        self.saved_guard = SavedParamGuard(self.freeable, functools.partial(_gather_saved, weakref.ref(self)))
+
+    # -- tracing (tests) ----------------------------------------------------------------------
+
+    def _trace(self, kind: str, label: str) -> None:
+        tracer = self.root.tracer
+        if tracer is not None:
+            tracer.event(kind, label)
+
+    def _handle_label(self, unit: Unit, handle: FlatParamHandle) -> str:
+        index = unit.handles.index(handle)
+        return unit.label + (f"#{index}" if index else "")
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def run_forward(self, unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The wrapper's forward: gather, run the wrapped module, free or hook for backward."""
+        if unit.is_root:
+            self._root_pre_forward()
+            if unit.device.type != "cpu":
+                args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
+        args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
+        self._pre_forward(unit, (args, kwargs))
+        try:
+            with self._guard_saved():
+                output = module(*args, **kwargs)
+        except BaseException:
+            if unit.training_state is _FORWARD:
+                unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
+            raise
+        if input_dtype is not None:  # a full-precision unit hands back the dtype it was given
+            output = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, output)
+        self._post_forward(unit, output)
+        if unit.is_root:
+            self._root_post_forward()
+        return output
+
+    def _guard_saved(self) -> Any:
+        """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
+        (activation checkpointing) keeps its unit gathered until its backward instead."""
+        if not torch.is_grad_enabled() or _in_backward() or not self.freeable:
+            return contextlib.nullcontext()
+        return self.saved_guard.active()
+
+    def _root_pre_forward(self) -> None:
+        if _in_backward():
+            return
+        self.settle()
+        self.gathered_in_forward.clear()
+        self.exec_order.start_forward()
+        self._refresh_stale()
+
+    def settle(self) -> None:
+        """If the last backward raised (autograd never ran its end-of-backward callback),
+        clean up now: outside a backward, a queued callback means exactly that."""
+        if self.backward_state is BackwardState.CALLBACK_QUEUED and not _in_backward():
+            self.finalize_backward(failed=True)
+
+    def _refresh_stale(self) -> None:
+        """Gather again every unit still gathered from an earlier forward whose backward never
+        ran: its shards may have changed since (see [Note: stale gathers] in ``flat_param``)."""
+        for unit in self.units:
+            if any(h.separate_full and h.state is not HandleState.SHARDED for h in unit.handles):
+                self._check_order(token(GATHER, self.index[unit]))
+                for handle in unit.handles:
+                    handle.refresh(async_op=True)
+
+    def _pre_forward(self, unit: Unit, inputs: Any) -> None:
+        # [Note: forward inside backward] Activation checkpointing re-runs forward code during
+        # backward. A unit re-run inside its own backward stays BACKWARD_PRE; any unit re-run
+        # during a backward keeps its parameters gathered until its backward (the recomputed
+        # activations that backward reads are views of them).
+        self._trace("forward", unit.label)
+        if unit.training_state is not _BACKWARD_PRE:
+            unit.move((_IDLE,), _FORWARD)
+        if not unit.handles:
+            return
+        self.hook_new_trainables(unit)
+        recompute = _in_backward()
+        if not recompute:
+            self.exec_order.record_pre_forward(unit)
+        self._consume_prefetch(unit)
+        if self._gather(unit, unit.handles):
+            self.gathered_in_forward.add(unit)
+        if unit.config.forward_prefetch and not recompute:
+            target = self.exec_order.next_in_forward(unit)
+            if target is not None and self._prefetch(target):
+                self.gathered_in_forward.add(target)
+        for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
+            handle.use_views(track_grad=torch.is_grad_enabled())
+        if unit.frozen and torch.is_grad_enabled() and not recompute:
+            self._hook_inputs_for_frozen_handles(unit, inputs)
+
+    def _post_forward(self, unit: Unit, output: Any) -> None:
+        if unit.training_state is _BACKWARD_PRE:
+            return
+        unit.move((_FORWARD,), _IDLE)
+        if not unit.handles or _in_backward():
+            return
+        if not torch.is_grad_enabled():
+            if unit in self.gathered_in_forward:
+                self._free(unit)
+            return
+        grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
+        hook = functools.partial(self.pre_backward_hook, unit)
+        for tensor in grad_outputs:
+            tensor.register_hook(hook)
+        if grad_outputs:
+            self.exec_order.record_post_forward(unit)  # its backward will run: a prefetch target
+        if not grad_outputs and not unit.trainable:
+            self._free(unit)  # nothing in a backward can need these parameters
+        elif (
+            grad_outputs
+            and unit.config.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+            and not unit.is_root
+            and not any(h.aliases(t) for h in unit.handles for t in iter_tensors(output))
+        ):
+            self._free(unit)
+
+    def _root_post_forward(self) -> None:
+        self.exec_order.freeze_forward_order()
+        if _in_backward():
+            return
+        self._check_forward_order(self.exec_order.this_forward())
+        if not torch.is_grad_enabled():
+            for unit in self.gathered_in_forward:
+                self._free(unit)  # also unused forward prefetches
+            self.prefetched.clear()
+            self.checking = False  # no backward follows: the first iteration is over
+        elif not self.exec_order.same_as_first():
+            self.checking = True  # the order changed: check this iteration's backward collectives
+        self.gathered_in_forward.clear()
+
+    # -- gathering and freeing ------------------------------------------------------------------
+
+    def _gather(self, unit: Unit, handles: Sequence[FlatParamHandle]) -> bool:
+        """Issue the all-gathers of those of ``handles`` that are sharded (asynchronously);
+        ``False`` if none was (a handle is never gathered twice)."""
+        sharded = [h for h in handles if h.state is HandleState.SHARDED]
+        if not sharded:
+            return False
+        self._check_order(token(GATHER, self.index[unit]))
+        for handle in sharded:
+            handle.unshard(async_op=True)
+            self._trace("gather", self._handle_label(unit, handle))
+        return True
+
+    def _prefetch(self, target: Unit) -> bool:
+        """Gather ``target`` ahead of its use. With ``limit_all_gathers`` at most
+        ``MAX_PREFETCHED`` units wait gathered ahead of their use at a time."""
+        if target.config.limit_all_gathers and len(self.prefetched) >= MAX_PREFETCHED:
+            return False
+        if not self._gather(target, target.handles):
+            return False
+        self.prefetched.append(target)
+        return True
+
+    def _consume_prefetch(self, unit: Unit) -> None:
+        if unit in self.prefetched:
+            self.prefetched.remove(unit)
+
+    def _free(self, unit: Unit, handles: Optional[Sequence[FlatParamHandle]] = None) -> None:
+        for handle in unit.handles if handles is None else handles:
+            if handle.state is not HandleState.SHARDED and handle.reshard():
+                self._trace("free", self._handle_label(unit, handle))
+
+    # -- agreement checks -------------------------------------------------------------------------
+
+    def _check_order(self, value: int) -> None:
+        """One order check (see [Note: order check]) while checking."""
+        if not self.checking:
+            return
+        for comm in self.check_comms:
+            problem = mismatch(comm.gather_ints(value, self.root.device), [_label(u) for u in self.units])
+            if problem is not None:
+                raise RuntimeError(
+                    f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
+                    f"units in the same order, e.g. no data-dependent skipping): {problem}"
+                )
+
+    def _check_forward_order(self, order: List[Unit]) -> None:
+        """The one check every root forward makes: did all ranks run the same units in order?"""
+        names = [_label(u) for u in order]
+        for comm in self.check_comms:
+            values = comm.gather_ints(fingerprint("\n".join(names)), self.root.device)
+            problem = mismatch(values, [_label(u) for u in self.units])
+            if problem is None:
+                continue
+            if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
+                everyone = all_gather_object(names, comm.group)
+                first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
+                ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
+                problem = f"unit #{first} of this forward differs: {ran}"
+            raise RuntimeError(
+                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
+                f"in the same order, e.g. no data-dependent skipping): {problem}"
+            )
+
+    def _check_backward_agrees(self) -> None:
+        """[Note: backward agreement] Ranks whose backward passes reach different units (one
+        rank leaves a unit's output, or a side loss, out of its loss) would issue different
+        gathers and reductions, which hang or pair the wrong tensors. So when a backward first
+        reaches one of the root's units, the ranks compare, with one small all-gather, which
+        handles will receive a gradient in this backward (autograd knows which gradient
+        accumulators its graph task will run); if they differ, every rank raises the same
+        error before any collective of the backward."""
+        if not self.check_comms:
+            return
+        reached = [
+            _label(unit) + (f" (FlatParameter {h.attr_name})" if len(unit.handles) > 1 else "")
+            for unit in self.units
+            for h in unit.handles
+            if _will_accumulate(h)
+        ]
+        for comm in self.check_comms:
+            values = comm.gather_ints(fingerprint("\n".join(reached)), self.root.device)
+            if len(set(values)) == 1:
+                continue
+            everyone = all_gather_object(reached, comm.group)
+            union = sorted(set().union(*everyone))
+            lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
+            raise RuntimeError(
+                f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
+                f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
+                f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
+                + "; ".join(lines)
+            )
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def hook_new_trainables(self, unit: Unit) -> None:
+        """Hook the gradient accumulation of ``unit``'s handles that require grad and are
+        not hooked yet (at binding, and at each forward for handles unfrozen since)."""
+        for handle in unit.handles:
+            handle.sync_requires_grad()
+            if handle.requires_grad and handle not in unit.grad_hooks:
+                hook = functools.partial(_post_accumulate, weakref.ref(self), weakref.ref(unit), weakref.ref(handle))
+                unit.grad_hooks[handle] = handle.grad_leaf.register_post_accumulate_grad_hook(hook)
+
+    def _hook_inputs_for_frozen_handles(self, unit: Unit, inputs: Any) -> None:
+        """Frozen handles get no gradient to signal the end of their backward; the gradients of
+        the unit's inputs do instead (see [Note: frozen handles])."""
+        tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
+        if tensors:
+            unit.open_input_hooks += 1
+            register_multi_grad_hook(tensors, functools.partial(self.inputs_done, unit))
+
+    def pre_backward_hook(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Hook on a forward output of ``unit``: its backward is about to run."""
+        self._trace("pre-backward", unit.label)
+        self.begin_backward(unit)
+        return None
+
+    def begin_backward(self, unit: Unit) -> None:
+        """Gather what ``unit``'s backward needs: everything if its backward has not started in
+        this backward pass; else the handles still pending or frozen that were freed meanwhile
+        (another output or use of the unit). Trainable handles whose gradient is complete are
+        not needed again (e.g. a hook on an input the unit passed through)."""
+        self._queue_finalizer()
+        state = unit.training_state
+        if state is _IDLE:
+            needed = list(unit.handles)
+            unit.move((_IDLE,), _BACKWARD_PRE)
+            unit.pending.update(needed)
+        else:
+            needed = [h for h in unit.handles if (h in unit.pending or not h.requires_grad) and h.state is HandleState.SHARDED]
+            if not needed:
+                return
+            if state is _BACKWARD_POST:
+                unit.move((_BACKWARD_POST,), _BACKWARD_PRE)
+            unit.pending.update(needed)
+        self._consume_prefetch(unit)
+        for handle in needed:
+            handle.drop_grad_if_zeroed()
+        self._gather(unit, needed)
+        if state is _IDLE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            self._prefetch_for_backward(unit)
+        for handle in needed:
+            # Views back on the modules, under autograd, for code that re-runs forward pieces
+            # in backward (activation checkpointing) and reads the parameters from the modules.
+            handle.use_views(track_grad=True)
+
+    def gather_saved(self, key: int) -> None:
+        """Autograd unpacks a saved parameter view of the full flat tensor with storage ``key``
+        (see [Note: saved parameters] in ``_saved``): make sure it is gathered."""
+        unit, handle = self.freeable[key]
+        if handle.state is HandleState.SHARDED and unit.training_state in (_IDLE, _BACKWARD_PRE):
+            self.begin_backward(unit)  # its backward starts here (before any output hook fired)
+        if handle.state is HandleState.SHARDED:
+            # Its backward is done (or it is frozen and was freed); read again, e.g. through a
+            # .detach(): gather it once more, until the end of the backward.
+            self._queue_finalizer()
+            self._gather(unit, [handle])
+        handle.finish_gather()
+
+    def post_backward(self, unit: Unit, handle: FlatParamHandle) -> None:
+        """After autograd accumulated ``handle``'s full gradient: reduce it and free."""
+        self._trace("post-backward", unit.label)
+        self._queue_finalizer()
+        if unit.training_state is _IDLE:
+            # No output hook fired (outputs we could not see into); everything stayed gathered.
+            unit.move((_IDLE,), _BACKWARD_PRE)
+            unit.pending.update(unit.handles)
+        if handle not in unit.pending:
+            raise AssertionError(
+                f"{unit.where()}: a second gradient reached the unit in one backward (reentrant "
+                f"activation checkpointing inside a unit is not supported)"
+            )
+        if handle.state is not HandleState.UNSHARDED:
+            raise AssertionError(f"{unit.where()}: gradient computed while the parameters were {handle.state.name}")
+        if unit.sync_gradients:
+            if unit.world_size > 1:
+                self._check_order(token(REDUCE, self.index[unit]))
+            if handle.reduce_grad(async_op=True):
+                self._trace("reduce", self._handle_label(unit, handle))
+                self._track_reduction(unit, handle)
+        else:
+            handle.hold_grad_for_later()
+        self._free(unit, [handle])
+        self._done(unit, [handle])
+
+    def _track_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
+        """Reductions run while later units compute their gradients; at most
+        ``MAX_REDUCTIONS_IN_FLIGHT`` stay in flight, the end of backward completes the rest."""
+        self.reducing.append((unit, handle))
+        while len(self.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._finish_reduction(*self.reducing.pop(0))
+
+    def _finish_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
+        handle.finish_reduction()
+        self._trace("reduced", self._handle_label(unit, handle))
+
+    def inputs_done(self, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """The gradients of one forward's inputs to ``unit`` are complete."""
+        self._trace("post-backward", unit.label)
+        unit.open_input_hooks = max(0, unit.open_input_hooks - 1)
+        if unit.training_state is _BACKWARD_PRE:
+            self._done(unit, [])
+
+    def _done(self, unit: Unit, finished: Sequence[FlatParamHandle]) -> None:
+        """Mark handles finished for this backward; free frozen handles once nothing can need
+        them; when all are finished the unit's backward is done.
+
+        [Note: frozen handles] A frozen parameter is needed in backward only to compute the
+        gradient of something upstream of it: an input of the unit, or (in a unit that also has
+        trainable parameters) a trainable parameter. So frozen handles are freed once the input
+        gradients of every forward of this iteration are complete (a unit may run several times)
+        and all trainable handles are done. (Autograd reading one later anyway, e.g. a side
+        loss term, gathers it again: [Note: saved parameters] in ``_saved``.)
+        """
+        unit.pending.difference_update(finished)
+        frozen_pending = [h for h in unit.frozen if h in unit.pending]
+        if frozen_pending and unit.open_input_hooks == 0 and not any(h in unit.pending for h in unit.trainable):
+            self._free(unit, frozen_pending)
+            unit.pending.difference_update(frozen_pending)
+        if not unit.pending:
+            unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
+            if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                self._prefetch_for_backward(unit)
+
+    def _prefetch_for_backward(self, unit: Unit) -> None:
+        def waiting(candidate: Unit) -> bool:
+            return candidate.training_state is _IDLE and any(h.state is HandleState.SHARDED for h in candidate.handles)
+
+        target = self.exec_order.next_in_backward(unit, waiting)
+        if target is not None:
+            self._prefetch(target)
+
+    def _queue_finalizer(self) -> None:
+        if self.backward_state is BackwardState.IDLE:
+            self.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
+            Variable._execution_engine.queue_callback(self.finalize_backward)
+            self._check_backward_agrees()
+
+    def finalize_backward(self, failed: bool = False) -> None:
+        """End of a backward (queued on the autograd engine, or run by ``settle`` after a
+        backward that raised): complete the reductions (a failed backward's are completed but
+        their results dropped: nothing of it may reach a gradient later), reduce what
+        ``no_sync`` left in units this backward did not reach, free all, reset to IDLE."""
+        for unit, handle in self.reducing:
+            if failed:
+                handle.discard_reduction()
+            else:
+                self._finish_reduction(unit, handle)
+        self.reducing.clear()
+        if not failed:
+            self.reduce_held()
+            self._check_order(token(END_OF_BACKWARD))
+            self.checking = False
+        for unit in self.units:
+            self._free(unit)
+            unit.pending.clear()
+            unit.open_input_hooks = 0
+            unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
+        self.prefetched.clear()
+        self.exec_order.end_iteration()
+        self.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
+
+    def reduce_held(self) -> None:
+        """A unit used under ``no_sync`` but not in the synchronised backward still holds its
+        accumulated gradient: reduce it now (every rank holds the same units' gradients: they
+        ran the same micro-batches)."""
+        for unit in self.units:
+            if not unit.sync_gradients:
+                continue
+            for handle in unit.handles:
+                handle.drop_grad_if_zeroed()
+                if handle.holds_no_sync_grad():
+                    if unit.world_size > 1:
+                        self._check_order(token(REDUCE, self.index[unit]))
+                    if handle.reduce_grad():
+                        self._trace("reduce", self._handle_label(unit, handle))
+                        self._trace("reduced", self._handle_label(unit, handle))
+
+
+def _gather_saved(runtime_ref: "weakref.ref[RootRuntime]", key: int) -> None:
+    runtime = runtime_ref()
+    if runtime is None:
+        raise AssertionError("a saved parameter of a ShardedDataParallel model that no longer exists was unpacked")
+    runtime.gather_saved(key)
+
+
+def _will_accumulate(handle: FlatParamHandle) -> bool:
+    """Whether the running backward will accumulate a gradient into ``handle``'s full flat tensor."""
+    leaf = handle.grad_leaf
+    if not leaf.requires_grad:
+        return False
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))
 
 
 def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[torch.dtype]]:
@@ -139,417 +572,3 @@ def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> T
         return args, kwargs, None
     args, kwargs = map_tensors(lambda t: t.to(target) if t.is_floating_point() else t, (args, kwargs))
     return args, kwargs, given if given != target else None
-
-
-def _root_pre_forward(ctx: RootContext) -> None:
-    if _in_backward():
-        return
-    settle(ctx)
-    ctx.gathered_in_forward.clear()
-    ctx.exec_order.start_forward()
-    _refresh_stale(ctx)
-
-
-def settle(ctx: Optional[RootContext]) -> None:
-    """If the last backward raised (autograd never ran its end-of-backward callback), clean
-    up now: outside a backward, a queued callback means exactly that."""
-    if ctx is not None and ctx.backward_state is BackwardState.CALLBACK_QUEUED and not _in_backward():
-        _finalize_backward(ctx, failed=True)
-
-
-def _refresh_stale(ctx: RootContext) -> None:
-    """Gather again every unit still gathered from an earlier forward whose backward never
-    ran: its shards may have changed since (see [Note: stale gathers] in ``flat_param``)."""
-    for unit in ctx.units:
-        if any(h.separate_full and h.state is not HandleState.SHARDED for h in unit.handles):
-            _check_order(ctx, token(GATHER, ctx.index[unit]))
-            for handle in unit.handles:
-                handle.refresh(async_op=True)
-
-
-def _pre_forward(unit: Unit, ctx: RootContext, inputs: Any) -> None:
-    # [Note: forward inside backward] Activation checkpointing re-runs forward code during
-    # backward. A unit re-run inside its own backward stays BACKWARD_PRE; any unit re-run
-    # during a backward keeps its parameters gathered until its backward (the recomputed
-    # activations that backward reads are views of them).
-    if unit.training_state is not _BACKWARD_PRE:
-        unit.move((_IDLE,), _FORWARD)
-    if not unit.handles:
-        return
-    _hook_new_trainables(unit)
-    recompute = _in_backward()
-    if not recompute:
-        ctx.exec_order.record_pre_forward(unit)
-    _consume_prefetch(ctx, unit)
-    if _gather(unit, ctx, unit.handles):
-        ctx.gathered_in_forward.add(unit)
-    if unit.config.forward_prefetch and not recompute:
-        target = ctx.exec_order.next_in_forward(unit)
-        if target is not None and _prefetch(ctx, target):
-            ctx.gathered_in_forward.add(target)
-    for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
-        handle.use_views(track_grad=torch.is_grad_enabled())
-    if unit.frozen and torch.is_grad_enabled() and not recompute:
-        _hook_inputs_for_frozen_handles(unit, inputs)
-
-
-def _post_forward(unit: Unit, ctx: RootContext, output: Any) -> None:
-    if unit.training_state is _BACKWARD_PRE:
-        return
-    unit.move((_FORWARD,), _IDLE)
-    if not unit.handles or _in_backward():
-        return
-    if not torch.is_grad_enabled():
-        if unit in ctx.gathered_in_forward:
-            _free(unit)
-        return
-    grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
-    hook = functools.partial(_pre_backward, unit)
-    for tensor in grad_outputs:
-        tensor.register_hook(hook)
-    if grad_outputs:
-        ctx.exec_order.record_post_forward(unit)  # its backward will run: a prefetch target
-    if not grad_outputs and not unit.trainable:
-        _free(unit)  # nothing in a backward can need these parameters
-    elif (
-        grad_outputs
-        and unit.config.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        and not unit.is_root
-        and not any(h.aliases(t) for h in unit.handles for t in iter_tensors(output))
-    ):
-        _free(unit)
-
-
-def _root_post_forward(ctx: RootContext) -> None:
-    ctx.exec_order.freeze_forward_order()
-    if _in_backward():
-        return
-    order = ctx.exec_order.this_forward()
-    _check_forward_order(ctx, order)
-    if not torch.is_grad_enabled():
-        for unit in ctx.gathered_in_forward:
-            _free(unit)  # also unused forward prefetches
-        ctx.prefetched.clear()
-        ctx.checking = False  # no backward follows: the first iteration is over
-    elif not ctx.exec_order.same_as_first():
-        ctx.checking = True  # the order changed: check this iteration's backward collectives
-    ctx.gathered_in_forward.clear()
-
-
-def _gather(unit: Unit, ctx: RootContext, handles: Sequence[FlatParamHandle]) -> bool:
-    """Issue the all-gathers of those of ``handles`` that are sharded (asynchronously);
-    ``False`` if none was (a handle is never gathered twice)."""
-    if not any(h.state is HandleState.SHARDED for h in handles):
-        return False
-    _check_order(ctx, token(GATHER, ctx.index[unit]))
-    for handle in handles:
-        handle.unshard(async_op=True)
-    return True
-
-
-def _prefetch(ctx: RootContext, target: Unit) -> bool:
-    """Gather ``target`` ahead of its use. With ``limit_all_gathers`` at most
-    ``MAX_PREFETCHED`` units wait gathered ahead of their use at a time."""
-    if target.config.limit_all_gathers and len(ctx.prefetched) >= MAX_PREFETCHED:
-        return False
-    if not _gather(target, ctx, target.handles):
-        return False
-    ctx.prefetched.append(target)
-    return True
-
-
-def _consume_prefetch(ctx: RootContext, unit: Unit) -> None:
-    if unit in ctx.prefetched:
-        ctx.prefetched.remove(unit)
-
-
-def _free(unit: Unit) -> None:
-    for handle in unit.handles:
-        handle.reshard()
-
-
-def _check_order(ctx: RootContext, value: int) -> None:
-    """One order check (see [Note: order check]) while checking."""
-    if not ctx.checking:
-        return
-    for comm in ctx.check_comms:
-        problem = mismatch(comm.gather_ints(value, ctx.root.device), [_label(u) for u in ctx.units])
-        if problem is not None:
-            raise RuntimeError(
-                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
-                f"units in the same order, e.g. no data-dependent skipping): {problem}"
-            )
-
-
-def _check_forward_order(ctx: RootContext, order: List[Unit]) -> None:
-    """The one check every root forward makes: did all ranks run the same units in order?"""
-    names = [_label(u) for u in order]
-    for comm in ctx.check_comms:
-        values = comm.gather_ints(fingerprint("\n".join(names)), ctx.root.device)
-        problem = mismatch(values, [_label(u) for u in ctx.units])
-        if problem is None:
-            continue
-        if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
-            everyone = all_gather_object(names, comm.group)
-            first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
-            ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
-            problem = f"unit #{first} of this forward differs: {ran}"
-        raise RuntimeError(
-            f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
-            f"in the same order, e.g. no data-dependent skipping): {problem}"
-        )
-
-
-def _label(unit: Unit) -> str:
-    return display_name(unit.name)
-
-
-def _hook_inputs_for_frozen_handles(unit: Unit, inputs: Any) -> None:
-    """Frozen handles get no gradient to signal the end of their backward; the gradients of
-    the unit's inputs do instead (see [Note: frozen handles])."""
-    tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
-    if tensors:
-        unit.open_input_hooks += 1
-        register_multi_grad_hook(tensors, functools.partial(_post_backward_frozen, unit))
-
-
-# -- backward -----------------------------------------------------------------------------
-
-
-def _pre_backward(unit: Unit, grad: torch.Tensor) -> None:
-    """Hook on a forward output of ``unit``: its backward is about to run."""
-    _begin_backward(unit)
-    return None
-
-
-def _begin_backward(unit: Unit) -> None:
-    """Gather what ``unit``'s backward needs: everything if its backward has not started in
-    this backward pass; else the handles still pending or frozen that were freed meanwhile
-    (another output or use of the unit). Trainable handles whose gradient is complete are not
-    needed again (e.g. a hook on an input the unit passed through)."""
-    ctx = _ctx(unit)
-    _queue_finalizer(ctx)
-    state = unit.training_state
-    if state is _IDLE:
-        needed = list(unit.handles)
-        unit.move((_IDLE,), _BACKWARD_PRE)
-        unit.pending.update(needed)
-    else:
-        needed = [h for h in unit.handles if (h in unit.pending or not h.requires_grad) and h.state is HandleState.SHARDED]
-        if not needed:
-            return
-        if state is _BACKWARD_POST:
-            unit.move((_BACKWARD_POST,), _BACKWARD_PRE)
-        unit.pending.update(needed)
-    _consume_prefetch(ctx, unit)
-    for handle in needed:
-        handle.drop_grad_if_zeroed()
-    _gather(unit, ctx, needed)
-    if state is _IDLE and unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch_for_backward(unit)
-    for handle in needed:
-        # Views back on the modules, under autograd, for code that re-runs forward pieces
-        # in backward (activation checkpointing) and reads the parameters from the modules.
-        handle.use_views(track_grad=True)
-
-
-def _gather_saved(ctx_ref: "weakref.ref[RootContext]", key: int) -> None:
-    """Autograd unpacks a saved parameter view of the full flat tensor with storage ``key``
-    (see [Note: saved parameters] in ``_saved``): make sure it is gathered."""
-    ctx = ctx_ref()
-    if ctx is None:
-        raise AssertionError("a saved parameter of a ShardedDataParallel model that no longer exists was unpacked")
-    unit, handle = ctx.freeable[key]
-    if handle.state is HandleState.SHARDED and unit.training_state in (_IDLE, _BACKWARD_PRE):
-        _begin_backward(unit)  # its backward starts here (before any output hook fired)
-    if handle.state is HandleState.SHARDED:
-        # Its backward is done (or it is frozen and was freed); read again, e.g. through a
-        # .detach(): gather it once more, until the end of the backward.
-        _queue_finalizer(ctx)
-        _gather(unit, ctx, [handle])
-    handle.wait()
-
-
-def _ctx(unit: Unit) -> RootContext:
-    if unit.ctx is None:
-        raise AssertionError(f"{unit.where()}: backward hook of a unit without a root context")
-    return unit.ctx
-
-
-def _post_backward(unit: Unit, handle: FlatParamHandle, leaf: torch.Tensor) -> None:
-    """Hook after autograd accumulated ``handle``'s full gradient: reduce it and free."""
-    ctx = _ctx(unit)
-    _queue_finalizer(ctx)
-    if unit.training_state is _IDLE:
-        # No output hook fired (outputs we could not see into); everything stayed gathered.
-        unit.move((_IDLE,), _BACKWARD_PRE)
-        unit.pending.update(unit.handles)
-    if handle not in unit.pending:
-        raise AssertionError(
-            f"{unit.where()}: a second gradient reached the unit in one backward (reentrant "
-            f"activation checkpointing inside a unit is not supported)"
-        )
-    if handle.state is not HandleState.UNSHARDED:
-        raise AssertionError(f"{unit.where()}: gradient computed while the parameters were freed")
-    if unit.sync_gradients:
-        if unit.world_size > 1:
-            _check_order(ctx, token(REDUCE, ctx.index[unit]))
-        if handle.reduce_grad(async_op=True):
-            _track_reduction(ctx, handle)
-    else:
-        handle.hold_grad_for_later()
-    handle.reshard()
-    _done(unit, [handle])
-
-
-def _track_reduction(ctx: RootContext, handle: FlatParamHandle) -> None:
-    """Reductions run while later units compute their gradients; at most
-    ``MAX_REDUCTIONS_IN_FLIGHT`` stay in flight, the end of backward completes the rest."""
-    ctx.reducing.append(handle)
-    while len(ctx.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
-        ctx.reducing.pop(0).finish_reduction()
-
-
-def _post_backward_frozen(unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """The gradients of one forward's inputs to ``unit`` are complete."""
-    unit.open_input_hooks = max(0, unit.open_input_hooks - 1)
-    if unit.training_state is _BACKWARD_PRE:
-        _done(unit, [])
-
-
-def _done(unit: Unit, finished: Sequence[FlatParamHandle]) -> None:
-    """Mark handles finished for this backward; free frozen handles once nothing can need
-    them; when all are finished the unit's backward is done.
-
-    [Note: frozen handles] A frozen parameter is needed in backward only to compute the
-    gradient of something upstream of it: an input of the unit, or (in a unit that also has
-    trainable parameters) a trainable parameter. So frozen handles are freed once the input
-    gradients of every forward of this iteration are complete (a unit may run several times)
-    and all trainable handles are done. (Autograd reading one later anyway, e.g. a side
-    loss term, gathers it again: [Note: saved parameters] in ``_saved``.)
-    """
-    unit.pending.difference_update(finished)
-    frozen_pending = [h for h in unit.frozen if h in unit.pending]
-    if frozen_pending and unit.open_input_hooks == 0 and not any(h in unit.pending for h in unit.trainable):
-        for handle in frozen_pending:
-            handle.reshard()
-        unit.pending.difference_update(frozen_pending)
-    if not unit.pending:
-        unit.move((_BACKWARD_PRE,), _BACKWARD_POST)
-        if unit.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_for_backward(unit)
-
-
-def _prefetch_for_backward(unit: Unit) -> None:
-    def waiting(candidate: Unit) -> bool:
-        return candidate.training_state is _IDLE and any(h.state is HandleState.SHARDED for h in candidate.handles)
-
-    ctx = _ctx(unit)
-    target = ctx.exec_order.next_in_backward(unit, waiting)
-    if target is not None:
-        _prefetch(ctx, target)
-
-
-def _queue_finalizer(ctx: RootContext) -> None:
-    if ctx.backward_state is BackwardState.IDLE:
-        ctx.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
-        Variable._execution_engine.queue_callback(functools.partial(_finalize_backward, ctx))
-        _check_backward_agrees(ctx)
-
-
-def _check_backward_agrees(ctx: RootContext) -> None:
-    """[Note: backward agreement] Ranks whose backward passes reach different units (one
-    rank leaves a unit's output, or a side loss, out of its loss) would issue different
-    gathers and reductions, which hang or pair the wrong tensors. So when a backward first
-    reaches one of the root's units, the ranks compare, with one small all-gather, which
-    handles will receive a gradient in this backward (autograd knows which gradient
-    accumulators its graph task will run); if they differ, every rank raises the same error
-    before any collective of the backward."""
-    if not ctx.check_comms:
-        return
-    reached = [f"{_label(unit)}#{i}" for unit in ctx.units for i, h in enumerate(unit.handles) if _will_accumulate(h)]
-    for comm in ctx.check_comms:
-        values = comm.gather_ints(fingerprint("\n".join(reached)), ctx.root.device)
-        if len(set(values)) == 1:
-            continue
-        everyone = all_gather_object(reached, comm.group)
-        union = sorted(set().union(*everyone))
-        lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
-        raise RuntimeError(
-            f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
-            f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
-            f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
-            + "; ".join(lines)
-        )
-
-
-def _will_accumulate(handle: FlatParamHandle) -> bool:
-    """Whether the running backward will accumulate a gradient into ``handle``'s full flat tensor."""
-    leaf = handle.grad_leaf
-    if not leaf.requires_grad:
-        return False
-    node = torch.autograd.graph.get_gradient_edge(leaf).node
-    return bool(torch._C._will_engine_execute_node(node))
-
-
-def _finalize_backward(ctx: RootContext, failed: bool = False) -> None:
-    """End of a backward (queued on the autograd engine, or run by ``settle`` after a backward
-    that raised): complete the reductions (a failed backward's are completed but their results
-    dropped: nothing of it may reach a gradient later), reduce what ``no_sync`` left in units
-    this backward did not reach, free all, reset to IDLE."""
-    for handle in ctx.reducing:
-        if failed:
-            handle.discard_reduction()
-        else:
-            handle.finish_reduction()
-    ctx.reducing.clear()
-    if not failed:
-        _reduce_held(ctx)
-        _check_order(ctx, token(END_OF_BACKWARD))
-        ctx.checking = False
-    for unit in ctx.units:
-        _free(unit)
-        unit.pending.clear()
-        unit.open_input_hooks = 0
-        unit.move((_IDLE, _BACKWARD_PRE, _BACKWARD_POST), _IDLE)
-    ctx.prefetched.clear()
-    ctx.exec_order.end_iteration()
-    ctx.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
-
-
-def reduce_held(ctx: RootContext) -> None:
-    """Outside a backward: average the gradients ``no_sync()`` left that no synchronised
-    backward averaged (see [Note: no_sync gradients at the step] in ``_stale_optimizer``).
-    Collective when there are any (every rank has the same)."""
-    if _in_backward():
-        return
-    settle(ctx)
-    _reduce_held(ctx)
-
-
-def _reduce_held(ctx: RootContext) -> None:
-    """A unit used under ``no_sync`` but not in this (synchronised) backward still holds its
-    accumulated gradient: reduce it now (every rank holds the same units' gradients: they ran
-    the same micro-batches)."""
-    for unit in ctx.units:
-        if not unit.sync_gradients:
-            continue
-        for handle in unit.handles:
-            handle.drop_grad_if_zeroed()
-            if handle.holds_no_sync_grad():
-                if unit.world_size > 1:
-                    _check_order(ctx, token(REDUCE, ctx.index[unit]))
-                handle.reduce_grad()
-
-
-@contextlib.contextmanager
-def no_sync(units: Sequence[Unit]) -> Iterator[None]:
-    """Skip gradient reduction in ``units`` while inside; restore the previous setting after."""
-    previous = [unit.sync_gradients for unit in units]
-    for unit in units:
-        unit.sync_gradients = False
-    try:
-        yield
-    finally:
-        for unit, value in zip(units, previous):
-            unit.sync_gradients = value

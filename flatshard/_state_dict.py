@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import Communicator, all_gather_object, fingerprint, mesh_of
+from ._collectives import Communicator, all_gather_object, fingerprint
 from ._common import HandleState, clean_name, coerce_config, coerce_enum, join_name
 from ._plain_view import plain_view
 from ._summon import check_idle, check_ranks_agree
@@ -96,7 +96,7 @@ def set_settings(module: nn.Module, settings: StateDictSettings, is_wrapper: IsW
         raise ValueError(f"set_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
     previous = dataclasses.replace(units[0].state_dict_settings)
     for unit in units:
-        unit.state_dict_settings = dataclasses.replace(settings)
+        unit.use_state_dict_settings(dataclasses.replace(settings))
     return previous
 
 
@@ -107,7 +107,7 @@ def snapshot_settings(module: nn.Module, is_wrapper: IsWrapper) -> List[Tuple[Un
 
 def restore_settings(snapshot: Sequence[Tuple[Unit, StateDictSettings]]) -> None:
     for unit, settings in snapshot:
-        unit.state_dict_settings = settings
+        unit.use_state_dict_settings(settings)
 
 
 def get_settings(module: nn.Module, is_wrapper: IsWrapper) -> StateDictSettings:
@@ -225,15 +225,13 @@ def as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
     ``torch.chunk`` parts (``Replicate`` for 0-dim), optionally on the CPU."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if unit.device_mesh is None:
-        unit.device_mesh = mesh_of(unit.group, unit.device)
     if full.dim() == 0:
         local, placements = full.clone(), [Replicate()]
     else:
         local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
     if offload:
         local = local.cpu()
-    return DTensor.from_local(local, unit.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local, unit.mesh(), placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:

@@ -97,7 +97,7 @@ def summon_full_params(
             params, aliased[handle] = _summoned_params(handle, writeback, offload_to_cpu, gathered_before[handle])
             grads = handle.gather_grad() if with_grads else None
             if not keep[handle]:
-                if not gathered_before[handle]:
+                if not gathered_before[handle] and handle.state is not HandleState.SHARDED:
                     handle.reshard()  # only rank 0 keeps them
                 continue
             if grads is not None:
@@ -113,8 +113,8 @@ def summon_full_params(
                     _write_back_all(units, values, aliased)
     finally:
         _empty_summoned(values)
-        for handle in handles:
-            if not gathered_before[handle]:
+        for handle in handles:  # (under mixed precision a separate copy was gathered instead)
+            if not gathered_before[handle] and handle.state is not HandleState.SHARDED:
                 handle.reshard()
         for unit in units:
             unit.move((_SUMMON,), _IDLE)

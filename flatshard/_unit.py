@@ -1,19 +1,21 @@
 """Run-time state of the units: one ``Unit`` per wrapper, one ``RootContext`` per root.
 
 The root (the outermost wrapper) is known structurally: each wrapper adopts the units nested
-in it when it is constructed. At the root's first forward, ``lazy_init`` gives all of them
-one shared context and checks, with one collective, that every rank built the same units.
+in it when it is constructed. At the root's first forward the runtime (``_runtime.lazy_init``)
+binds all of them to one shared context -- a ``RootContext`` holding the per-root state, whose
+subclass in ``_runtime`` does the work -- after ``check_same_units`` checked, with one
+collective, that every rank built the same units.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
-from ._collectives import Communicator, ProcessGroup, all_gather_object, all_ranks_agree
+from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_gather_object, all_ranks_agree, mesh_of
 from ._common import TrainingState, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
 from .api import (
@@ -25,7 +27,6 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from ._saved import SavedParamGuard
 from .flat_param import FlatParamHandle
 
 
@@ -55,6 +56,17 @@ class BackwardState(Enum):
     CALLBACK_QUEUED = auto()
 
 
+class Tracer(Protocol):
+    """What a test's recorder implements to see a root's work (``Unit.set_trace``)."""
+
+    def event(self, kind: str, label: str) -> None:
+        """``kind`` (forward, gather, free, pre-backward, post-backward, reduce, reduced) of
+        the unit or handle ``label``."""
+
+    def collective(self, event: CollectiveEvent) -> None:
+        """A collective issued by one of the root's units or handles."""
+
+
 class Unit:
     """Run-time state of one wrapper: its handles (one per group of parameters sharing dtype
     and ``requires_grad``; none if it owns no parameters), its options, its training state,
@@ -66,6 +78,9 @@ class Unit:
         config: UnitConfig,
         group: ProcessGroup,
         device: torch.device,
+        replicate_group: Optional[ProcessGroup] = None,
+        cast_buffers: Sequence[Tuple[Any, str, torch.dtype]] = (),
+        device_mesh: Optional[Any] = None,
     ) -> None:
         self.handles = list(handles)
         self.config = config
@@ -92,13 +107,16 @@ class Unit:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         # The 1-D DeviceMesh of ``group`` that sharded state dicts put their DTensors on: the
-        # user's device_mesh, else made on first use.
-        self.device_mesh: Optional[object] = None
+        # user's device_mesh, else made on first use (``mesh()``).
+        self._device_mesh = device_mesh
         # Hybrid sharding: the ranks holding the same shards as this one (gradients averaged).
-        self.replicate_group: Optional[ProcessGroup] = None
+        self.replicate_group = replicate_group
+        self.replicate = Communicator(replicate_group) if replicate_group is not None else None
         # Buffers cast to MixedPrecision.buffer_dtype: (module, name, original dtype), for
         # state dicts, which give them in their original dtype.
-        self.cast_buffers: List[Tuple[object, str, torch.dtype]] = []
+        self.cast_buffers: List[Tuple[Any, str, torch.dtype]] = list(cast_buffers)
+        # A test's recorder of what the root does (set on the root, see ``set_trace``).
+        self.tracer: Optional[Tracer] = None
 
     @property
     def group(self) -> ProcessGroup:
@@ -118,6 +136,41 @@ class Unit:
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def label(self) -> str:
+        """The unit's name in traces: its module path, ``root`` for the root."""
+        return self.name or "root"
+
+    def members(self) -> List["Unit"]:
+        """This unit and every unit under it."""
+        return [self] + [unit for _, unit in self.descendants]
+
+    def bind(self, ctx: Optional["RootContext"]) -> None:
+        """Join the context of a root (``None``: leave it, e.g. when adopted by an outer unit)."""
+        self.ctx = ctx
+
+    def mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` of the unit's group (the user's ``device_mesh``, or made once)."""
+        if self._device_mesh is None:
+            self._device_mesh = mesh_of(self.group, self.device)
+        return self._device_mesh
+
+    def use_state_dict_settings(self, settings: StateDictSettings) -> None:
+        """What ``state_dict()`` / ``load_state_dict()`` produce and take from now on."""
+        self.state_dict_settings = settings
+
+    def set_trace(self, tracer: Optional[Tracer]) -> None:
+        """Report to ``tracer`` what this unit's tree does (for tests; ``None``: stop): the
+        runtime's events of the root this unit is, and every collective of its units and
+        handles."""
+        self.tracer = tracer
+        observer = tracer.collective if tracer is not None else None
+        for member in self.members():
+            comms = [member.comm, member.replicate] + [c for h in member.handles for c in (h.comm, h.replicate)]
+            for comm in comms:
+                if comm is not None:
+                    comm.observe(observer)
+
     def adopt(self, nested: Sequence[Tuple[str, "Unit"]]) -> None:
         """Become the enclosing unit of ``nested`` (every unit under this one, any depth,
         named relative to this unit's module). They are initialised again by their root, and
@@ -127,7 +180,7 @@ class Unit:
                 raise AssertionError(f"{unit.where()}: wrapped into an outer unit while {unit.training_state.name}")
             if unit.parent is None:
                 unit.parent = self
-            unit.ctx = None
+            unit.bind(None)
             unit.name = name
             for handle in unit.handles:
                 handle.set_name_prefix(name)
@@ -143,22 +196,20 @@ class Unit:
 class RootContext:
     """State shared by all units of one root."""
 
-    def __init__(self, root: Unit, units: List[Unit]) -> None:
+    def __init__(self, root: Unit) -> None:
         self.root = root
+        units = root.members()
         self.units = units
         self.index = {unit: i for i, unit in enumerate(units)}
         self.comm = root.comm
         # The groups order checks run over: the root's, and under hybrid sharding its
         # replicas' too (together they connect every rank that exchanges data with another).
-        replicas = Communicator(root.replicate_group) if root.replicate_group is not None else None
-        self.check_comms = [c for c in (self.comm, replicas) if c is not None and c.world_size > 1]
+        self.check_comms = [c for c in (self.comm, root.replicate) if c is not None and c.world_size > 1]
         # Which unit and handle own each full flat tensor that can be freed, by storage (see
         # [Note: saved parameters] in _saved).
         self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {
             handle.storage_key(): (unit, handle) for unit in units for handle in unit.handles if handle.separate_full
         }
-        # Made by the runtime at the first forward with autograd (see _saved).
-        self.saved_guard: Optional[SavedParamGuard] = None
         self.exec_order: ExecOrder[Unit] = ExecOrder()
         self.backward_state = BackwardState.IDLE
         # Units gathered during the current root forward (by their forward or a forward
@@ -166,8 +217,8 @@ class RootContext:
         self.gathered_in_forward: Set[Unit] = set()
         # Units gathered ahead of their use by a prefetch (bounded by limit_all_gathers).
         self.prefetched: List[Unit] = []
-        # Handles whose gradient reduction is in flight, oldest first.
-        self.reducing: List[FlatParamHandle] = []
+        # Handles whose gradient reduction is in flight (with their units), oldest first.
+        self.reducing: List[Tuple[Unit, FlatParamHandle]] = []
         # Whether every collective is preceded by an order check (see [Note: order check]).
         self.checking = True
 
@@ -175,21 +226,11 @@ class RootContext:
         self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())
 
 
-def lazy_init(unit: Unit) -> None:
-    """Initialise the units of ``unit``'s root (its outermost enclosing unit) if needed.
-
-    Collective: the ranks of the root's group check here, once, that they built the same
-    units with the same options.
-    """
-    root = unit
-    while root.parent is not None:
-        root = root.parent
-    if root.ctx is not None:
-        return
-    ctx = RootContext(root, [root] + [u for _, u in root.descendants])
-    for member in ctx.units:
-        member.ctx = ctx
-    _check_ranks_agree(ctx)
+def root_of(unit: Unit) -> Unit:
+    """The outermost unit enclosing ``unit`` (``unit`` itself if it is not nested)."""
+    while unit.parent is not None:
+        unit = unit.parent
+    return unit
 
 
 def _describe(unit: Unit) -> str:
@@ -197,9 +238,10 @@ def _describe(unit: Unit) -> str:
     return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
 
 
-def _check_ranks_agree(ctx: RootContext) -> None:
-    root = ctx.root
-    descriptions = [_describe(unit) for unit in ctx.units]
+def check_same_units(root: Unit) -> None:
+    """Raise on every rank unless every rank built the same units with the same options
+    under ``root`` (one small collective; hybrid: also across the replicas)."""
+    descriptions = [_describe(unit) for unit in root.members()]
     replicas = root.replicate_group
     if replicas is not None and not all_ranks_agree("\n".join(descriptions), replicas, root.device):
         raise ValueError(

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._collectives import Communicator, Pending, ProcessGroup
-from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, storage_bytes
+from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, guard_transition, storage_bytes
 from ._placeholder import ParamPlaceholder
 
 __all__ = ["FlatParameter", "FlatParamHandle", "storage_key_of", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam", "Precision"]
@@ -285,18 +285,26 @@ class FlatParamHandle:
         """The full flat tensor autograd accumulates this unit's unsharded gradient into."""
         return self._full
 
-    def unshard(self, async_op: bool = False) -> bool:
-        """Start materialising the full flat tensor (all-gather); ``False`` if it already is
-        (or is being) materialised. Without ``async_op`` it is complete on return; with it,
-        ``wait()`` (or any use of the full tensor) completes it."""
-        if self.state is not HandleState.SHARDED:
-            return False
+    # [Note: handle states] SHARDED --unshard--> GATHERING --wait--> UNSHARDED --reshard-->
+    # SHARDED; refresh: UNSHARDED/GATHERING --> GATHERING. Each method checks the state it
+    # starts from and raises (with the expected and actual state) when called in another: the
+    # caller decides, from ``state``, whether a gather or a free is needed. A handle whose
+    # full flat tensor is the ``FlatParameter`` itself (``NO_SHARD`` without mixed precision)
+    # is always UNSHARDED: there is nothing to free, and ``reshard``/``refresh`` say so.
+
+    def _move(self, allowed_from: Sequence[HandleState], target: HandleState, what: str) -> None:
+        self.state = guard_transition(self.state, allowed_from, target, f"[rank {self.rank}] {self.attr_name}.{what}()")
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Materialise the full flat tensor (all-gather): SHARDED -> GATHERING, and on to
+        UNSHARDED unless ``async_op`` (then ``wait()``, or any use of the full tensor,
+        completes it)."""
+        self._move((HandleState.SHARDED,), HandleState.GATHERING, "unshard")
         alloc_storage(self._full_data, self.padded_numel)
         self._start_gather(async_op)
-        return True
 
     def _start_gather(self, async_op: bool) -> None:
-        """Fill the (allocated) full flat tensor from the shards: SHARDED or UNSHARDED -> GATHERING."""
+        """Fill the (allocated) full flat tensor from the shards (state GATHERING)."""
         shard = self.flat_param.detach()
         if self.offload:
             shard = shard.to(self.device, non_blocking=True)
@@ -307,13 +315,12 @@ class FlatParamHandle:
         else:  # a cast copy (mixed precision without sharding)
             self._full_data.copy_(shard)
             self._gather = Pending(None)
-        self.state = HandleState.GATHERING
         if not async_op:
             self.wait()
 
     def refresh(self, async_op: bool = False) -> bool:
-        """Gather again into the full flat tensor kept from an earlier forward; ``False`` if
-        it is not gathered (or is the ``FlatParameter`` itself).
+        """Gather again into the full flat tensor kept from an earlier forward (UNSHARDED or
+        GATHERING -> GATHERING); ``False`` if it is the ``FlatParameter`` itself.
 
         [Note: stale gathers] A full flat tensor is a copy of the shards as they were when it
         was gathered. Normally it is freed at the end of the backward, but a forward whose
@@ -324,27 +331,36 @@ class FlatParamHandle:
         same units are gathered), unlike comparing version counters, and it updates the
         views in place, so tensors that alias them (an output that returned a weight) see
         the current values as they would in single-process training."""
-        if not self.separate_full or self.state is HandleState.SHARDED:
+        if not self.separate_full:
             return False
-        self.wait()
+        self.finish_gather()
+        self._move((HandleState.UNSHARDED,), HandleState.GATHERING, "refresh")
         self._start_gather(async_op)
         return True
 
     def wait(self) -> None:
-        """Complete an all-gather in flight (GATHERING -> UNSHARDED)."""
+        """Complete the all-gather in flight: GATHERING -> UNSHARDED."""
+        self._move((HandleState.GATHERING,), HandleState.UNSHARDED, "wait")
+        if self._gather is None:
+            raise AssertionError(f"[rank {self.rank}] {self.attr_name}: GATHERING without an all-gather in flight")
+        gather, self._gather = self._gather, None
+        gather.wait()
+
+    def finish_gather(self) -> None:
+        """``wait()`` if an all-gather is in flight (before reading or freeing the full tensor)."""
         if self.state is HandleState.GATHERING:
-            self._gather.wait()  # type: ignore[union-attr]
-            self._gather = None
-            self.state = HandleState.UNSHARDED
+            self.wait()
 
     def reshard(self) -> bool:
-        """Free the full flat tensor; ``False`` if there is nothing to free (``NO_SHARD``)."""
-        if not self.separate_full or self.state is HandleState.SHARDED:
+        """Free the full flat tensor: UNSHARDED or GATHERING -> SHARDED (a gather in flight is
+        completed first). ``False`` if there is nothing to free (the full flat tensor is the
+        ``FlatParameter``)."""
+        if not self.separate_full:
             return False
-        self.wait()  # never free memory a collective is still writing
+        self.finish_gather()  # never free memory a collective is still writing
+        self._move((HandleState.UNSHARDED,), HandleState.SHARDED, "reshard")
         self.drop_views()
         free_storage(self._full_data)
-        self.state = HandleState.SHARDED
         return True
 
     def use_views(self, track_grad: bool) -> None:
@@ -353,7 +369,7 @@ class FlatParamHandle:
         With ``track_grad`` the views are made under autograd, so gradients flow into
         ``grad_leaf``; without it they are plain aliases (for ``no_grad`` forwards).
         """
-        self.wait()
+        self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
         self.sync_requires_grad()
@@ -377,7 +393,7 @@ class FlatParamHandle:
     def full_views(self) -> List[torch.Tensor]:
         """One plain (autograd-free) view of the full flat tensor per original parameter, in
         ``param_infos`` order; needs UNSHARDED."""
-        self.wait()
+        self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] full views requested while {self.state.name}")
         return self.split_full(self._full_data)
@@ -393,7 +409,7 @@ class FlatParamHandle:
         if tuple(value.shape) != tuple(info.shape):
             raise ValueError(f"[rank {self.rank}] parameter '{info.name}': cannot load a value of shape {tuple(value.shape)}; it has shape {tuple(info.shape)}")
         flat = value.detach().reshape(-1)
-        self.wait()
+        self.finish_gather()
         with torch.no_grad():
             if self.separate_full and self.state is HandleState.UNSHARDED:
                 self._full_data[info.offset : info.offset + info.numel].copy_(flat)
@@ -406,7 +422,7 @@ class FlatParamHandle:
     def shard_from_full(self) -> None:
         """Copy this rank's range of the gathered full flat tensor into the shard (after the
         full parameters were changed in place)."""
-        self.wait()
+        self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] write-back requested while {self.state.name}")
         if self.sharded:
@@ -422,7 +438,9 @@ class FlatParamHandle:
         changed since (see [Note: stale gathers])."""
         if self.compute_dtype != self.dtype:
             return self.split_full(self.gather_full_precision()), False
-        if not self.unshard():
+        if self.state is HandleState.SHARDED:
+            self.unshard()
+        else:
             self.refresh()
         return self.full_views(), True
 

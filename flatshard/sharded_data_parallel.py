@@ -14,7 +14,7 @@ from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
 from ._init import build_unit, constructor_options
 from ._planning import make_plan, unit_options
-from ._runtime import no_sync, run_forward
+from ._runtime import lazy_init, no_sync
 from ._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._state_dict import (
     get_settings,
@@ -26,7 +26,6 @@ from ._state_dict import (
     snapshot_settings,
 )
 from ._summon import forward_while_summoned, summon_full_params
-from ._unit import lazy_init
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -218,9 +217,7 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             return forward_while_summoned(self._unit, self._fsdp_wrapped_module, args, kwargs)
-        if self._unit.ctx is None:
-            lazy_init(self._unit)
-        return run_forward(self._unit, self._fsdp_wrapped_module, args, kwargs)
+        return lazy_init(self._unit).run_forward(self._unit, self._fsdp_wrapped_module, args, kwargs)
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""

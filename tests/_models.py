@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flatshard import ShardedDataParallel, ShardingStrategy
-from flatshard._common import clean_name, join_name
+from flatshard._common import HandleState, clean_name, join_name
 
 VOCAB = 13
 DIM = 8
@@ -260,7 +260,9 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, ShardedDataParallel):
             for handle in module.handles:
-                if not handle.unshard():
+                if handle.state is HandleState.SHARDED:
+                    handle.unshard()
+                else:
                     handle.refresh()  # kept from a forward whose backward never ran
                 for param_name, tensor in handle.named_full_views():
                     out[join_name(clean_name(name), param_name)] = tensor.clone()

@@ -1,12 +1,9 @@
 """Which unit is gathered when: prefetch order, bounded memory, collectives and bytes per step."""
 
-import collections
 import contextlib
 
-import torch.distributed as dist
 from expecttest import TestCase
 
-import flatshard._collectives as collectives
 from flatshard import BackwardPrefetch, ShardedDataParallel, ShardingStrategy
 from tests._models import batch, build, lm_loss, local, make_optim, wrap
 from tests._spy import recording
@@ -111,64 +108,26 @@ class CollectivesPerStepTest(TestCase):
             )
 
 
-def _sent_by_all_gather(world_size, outputs, tensor, **kwargs):
-    return tensor.numel() * tensor.element_size() * (world_size - 1)  # our shard to every other rank
-
-
-def _sent_by_all_to_all(world_size, output, tensor, *args, **kwargs):
-    return tensor.numel() * tensor.element_size() // world_size * (world_size - 1)  # all chunks but ours
-
-
-@contextlib.contextmanager
-def _counting_sent_bytes(rec=None):
-    """Bytes this rank sends, per ``torch.distributed`` function flatshard calls (with ``rec``,
-    the order checks excluded): the bytes a list all-gather and an all-to-all must send, which
-    is what gloo's ring all-gather and pairwise all-to-all do send. Any other collective is
-    counted by name with its tensors' bytes (a sharded step on gloo should call none)."""
-    sent = collections.Counter()
-
-    def counted(name, original, bytes_sent):
-        def call(*args, **kwargs):
-            if rec is None or not rec.in_check:
-                sent[name] += bytes_sent(dist.get_world_size(kwargs.get("group")), *args, **kwargs)
-            return original(*args, **kwargs)
-
-        return call
-
-    def other(world_size, *args, **kwargs):
-        return sum(t.numel() * t.element_size() for t in args if hasattr(t, "numel"))
-
-    patches = [(dist, "all_gather", _sent_by_all_gather), (dist, "all_to_all_single", _sent_by_all_to_all)]
-    patches += [(dist, name, other) for name in ("all_reduce", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor")]
-    patches += [(collectives, name, other) for name in ("_all_gather_flat", "_reduce_scatter_flat")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    try:
-        for owner, name, bytes_sent in patches:
-            setattr(owner, name, counted(name, getattr(owner, name), bytes_sent))
-        yield sent
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-
-
 def _step_bytes(rank, world_size, strategy_name):
     """(bytes sent in the second step per function, the minimum for the strategy): every
     gather and every gradient reduce-scatter of a unit moves (world - 1) / world of it."""
     with recording() as rec:
         model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy_name])
+        rec.attach(model)
         optim = make_optim(model.parameters())
         tokens, targets = (local(t, rank) for t in batch(0, world_size))
         for step in range(2):
-            with _counting_sent_bytes(rec) if step == 1 else contextlib.nullcontext() as sent:
-                lm_loss(model(tokens), targets).backward()
-                optim.step()
+            rec.clear()
+            lm_loss(model(tokens), targets).backward()
+            optim.step()
+        sent = dict(rec.sent)
     minimum = 0
     for unit in ShardedDataParallel.fsdp_modules(model):
         unit_bytes = sum(h.padded_numel * h.flat_param.element_size() for h in unit.handles)
         # FULL_SHARD gathers a block for forward and again for backward; the root is kept
         gathers = 2 if strategy_name == "FULL_SHARD" and unit is not model else 1
         minimum += (gathers + 1) * unit_bytes // world_size * (world_size - 1)
-    return dict(sent), minimum
+    return sent, minimum
 
 
 class BytesPerStepTest(TestCase):
@@ -181,15 +140,16 @@ class BytesPerStepTest(TestCase):
 
 
 def _sent_at_world_size_1(rank, world_size, strategy_name):
-    """The ``torch.distributed`` collectives (of the kinds flatshard uses) of two training steps."""
-    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy_name])
-    optim = make_optim(model.parameters())
-    tokens, targets = batch(0, world_size)
-    with _counting_sent_bytes() as sent:
+    """Every collective of two training steps (bytes sent per function, counts per kind, checks)."""
+    with recording() as rec:
+        model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy_name])
+        rec.attach(model)
+        optim = make_optim(model.parameters())
+        tokens, targets = batch(0, world_size)
         for step in range(2):
             lm_loss(model(tokens), targets).backward()
             optim.step()
-    return dict(sent)
+    return {**rec.sent, **rec.collectives, **({"checks": rec.checks} if rec.checks else {})}
 
 
 class WorldSizeOneTest(TestCase):
