@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from ._summon import check_grads_averaged, check_idle
+from ._checkpointing import check_grads_averaged, check_idle
 from ._unit import BackwardState, Unit
 from .flat_param import FlatParamHandle
 

@@ -22,7 +22,7 @@ import hashlib
 import pickle
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -248,20 +248,62 @@ def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
     return _from_bytes(payload)
 
 
-def first_difference(items: List[str], comm: Communicator, device: torch.device) -> Optional[Tuple[int, str, str]]:
-    """``None`` if every rank passed the same ``items`` (one small all-gather); else a rank
-    that differs from rank 0 with rank 0's and its first differing item ("nothing" past the end)."""
+@dataclass(frozen=True)
+class RankDifference:
+    """Where one rank's list of items first differs from rank 0's: item ``index`` is
+    ``reference`` on rank 0 and ``theirs`` on ``rank`` (an agreed placeholder where a list
+    has run out)."""
+
+    rank: int
+    index: int
+    reference: Any
+    theirs: Any
+
+
+def item_at(items: Sequence[Any], index: int, past_end: Any) -> Any:
+    """``items[index]``, or ``past_end`` where ``items`` has run out."""
+    return items[index] if index < len(items) else past_end
+
+
+def differences(per_rank: Sequence[Sequence[Any]], past_end: Any) -> List[RankDifference]:
+    """Every rank whose items differ from rank 0's, in rank order, each at its first
+    differing item (``past_end`` stands for an item past the end of a list). Pure: the
+    caller gathered ``per_rank``, every rank's list in rank order.
+
+    [Note: rank agreement] Every check that the ranks agree (built the same units, ran the
+    same units, called a collective operation the same way, loaded the same structure) finds
+    the difference it reports here, so they all name the same rank and item for the same
+    disagreement: the lowest rank that differs from rank 0, at its first differing item.
+    """
+    reference = list(per_rank[0])
+    found = []
+    for rank, items in enumerate(per_rank):
+        items = list(items)
+        width = max(len(reference), len(items))
+        index = next((i for i in range(width) if reference[i : i + 1] != items[i : i + 1]), None)
+        if index is not None:
+            found.append(RankDifference(rank, index, item_at(reference, index, past_end), item_at(items, index, past_end)))
+    return found
+
+
+def gather_if_different(items: List[str], comm: Communicator, device: torch.device) -> Optional[List[List[str]]]:
+    """``None`` if every rank passed the same ``items`` (one small all-gather of a digest);
+    else every rank's ``items``, in rank order (a second, object all-gather)."""
     if comm.world_size == 1:
         return None
     everyone = comm.gather_ints(fingerprint("\n".join(items)), device)
     if len(set(everyone)) == 1:
         return None
-    per_rank: List[List[str]] = all_gather_object(list(items), comm.group)
-    other = next(r for r, theirs in enumerate(per_rank) if theirs != per_rank[0])
-    width = max(len(per_rank[0]), len(per_rank[other]))
-    first = next(i for i in range(width) if per_rank[0][i : i + 1] != per_rank[other][i : i + 1])
-    mine, theirs = (per_rank[r][first] if first < len(per_rank[r]) else "nothing" for r in (0, other))
-    return other, mine, theirs
+    return all_gather_object(list(items), comm.group)
+
+
+def first_difference(items: List[str], comm: Communicator, device: torch.device) -> Optional[RankDifference]:
+    """``None`` if every rank passed the same ``items``; else the first rank that differs
+    from rank 0, at its first differing item ("nothing" past the end of a list)."""
+    per_rank = gather_if_different(items, comm, device)
+    if per_rank is None:
+        return None
+    return differences(per_rank, "nothing")[0]
 
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:

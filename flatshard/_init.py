@@ -9,7 +9,7 @@ Errors name parameters and modules relative to the module being wrapped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Set, Tuple, Type
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -17,95 +17,59 @@ from torch import nn
 from ._collectives import (
     Communicator,
     ProcessGroup,
-    all_gather_object,
-    all_ranks_agree,
     backend_of,
     default_group,
+    first_difference,
     rank_of,
     require_initialized,
 )
 from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
 from ._materialize import has_meta, materialize, retie
-from ._unit import Unit, UnitConfig
+from ._options import ConstructionOptions
+from ._unit import Unit, UnitConfig, unit_of
 from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from .flat_param import FlatParameter, FlatParamHandle, OrigParam, Precision
 
 _Buffers = List[Tuple[str, nn.Module, str, torch.Tensor]]  # (name, module, attribute, buffer)
 
 
-def unit_of(wrapper: nn.Module) -> Unit:
-    """The run-time unit of a wrapper (the public class keeps it as ``_unit``)."""
-    return wrapper._unit  # type: ignore[return-value]
-
-
-def constructor_options(**given: Any) -> Dict[str, Any]:
-    """Every constructor argument (but ``module``): ``given`` over the defaults of the
-    signature, with the ignored collections read once into lists."""
-    options: Dict[str, Any] = dict(
-        process_group=None,
-        sharding_strategy=None,
-        cpu_offload=None,
-        auto_wrap_policy=None,
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision=None,
-        ignored_modules=None,
-        param_init_fn=None,
-        device_id=None,
-        sync_module_states=False,
-        forward_prefetch=False,
-        limit_all_gathers=True,
-        use_orig_params=False,
-        ignored_states=None,
-        device_mesh=None,
-    )
-    unknown = set(given) - set(options)
-    if unknown:
-        raise AssertionError(f"not constructor arguments: {sorted(unknown)}")
-    options.update(given)
-    for name in ("ignored_modules", "ignored_states"):
-        if options[name] is not None:
-            options[name] = list(options[name])  # read more than once (plan, units)
-    return options
-
-
 def build_unit(
     module: nn.Module,
-    wrapper_cls: Type[nn.Module],
-    options: Dict[str, Any],
+    options: ConstructionOptions,
     owned: Optional[List[OrigParam]] = None,
     name: str = "",
 ) -> Unit:
     """Check ``options`` (the wrapper's constructor arguments) and flatten ``module``'s
-    parameters into a new unit. ``wrapper_cls`` is the public wrapper class. ``owned``: the
+    parameters into a new unit. ``owned``: the
     registrations this unit flattens, if a plan decided them (tied parameters placed in the
     lowest unit containing all their users); by default every parameter in ``module``'s tree
     outside nested units and ignored states. ``name``: the unit's path in a plan, for errors."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
-    if isinstance(module, wrapper_cls):
+    if unit_of(module) is not None:
         raise ValueError(
-            f"module is already a {wrapper_cls.__name__} (of {type(module.module).__name__}); "
+            f"module is already a {type(module).__name__} (of {type(module.module).__name__}); "
             f"wrap each module once"
         )
-    if options["auto_wrap_policy"] is not None:
+    if options.auto_wrap_policy is not None:
         raise AssertionError("auto_wrap_policy must be planned before building a unit")
     config = check_options(options)
     require_initialized()
-    group, replicate_group = _resolve_groups(config.sharding_strategy, options["process_group"], options["device_mesh"])
-    ignored = resolve_ignored(module, options["ignored_modules"], options["ignored_states"], wrapper_cls)
-    found, buffers, nested, modules = collect(module, wrapper_cls, ignored)
+    group, replicate_group = _resolve_groups(config.sharding_strategy, options.process_group, options.device_mesh)
+    ignored = resolve_ignored(module, options.ignored_modules, options.ignored_states)
+    found, buffers, nested, modules = collect(module, ignored)
     _check_ignored_not_meta(ignored)
     params = found if owned is None else owned
     check_ties(params, nested, name)
     check_params(params, name)
-    device = _resolve_device(options["device_id"], params, buffers, nested, group)
+    device = _resolve_device(options.device_id, params, buffers, nested, group)
     if has_meta(params, modules):
-        params = materialize(params, modules, device, options["param_init_fn"], name)
+        params = materialize(params, modules, device, options.param_init_fn, name)
         buffers = [(b, m, attr, m._buffers[attr]) for b, m, attr, _ in buffers]
     else:  # a tie this unit owns may have been materialised by the inner units holding it
         params = retie(params, name)
     _move_buffers(device, buffers)
-    if options["sync_module_states"]:
+    if options.sync_module_states:
         _check_same_on_all_ranks(params, buffers, group, device, name)
         comms = ([Communicator(replicate_group)] if replicate_group is not None else []) + [Communicator(group)]
         for _, _, _, buf in buffers:
@@ -117,12 +81,12 @@ def build_unit(
     config, precision = _precision(config, module)
     handles = [
         FlatParamHandle(
-            members, module, device, group, sharded, _attr_name(i), options["sync_module_states"], replicate_group,
+            members, module, device, group, sharded, _attr_name(i), options.sync_module_states, replicate_group,
             config.offload_params, precision,
         )
         for i, members in enumerate(group_params(params))
     ]
-    mesh = options["device_mesh"]
+    mesh = options.device_mesh
     unit = Unit(
         handles, config, group, device, replicate_group, _cast_buffers(config, buffers),
         mesh if mesh is not None and mesh.ndim == 1 else None,
@@ -179,16 +143,13 @@ def _check_same_on_all_ranks(
     """Before broadcasting (``sync_module_states``): mismatched broadcasts would hang."""
     layout = [f"{join_name(prefix, p.name)} {tuple(p.param.shape)} {p.param.dtype}" for p in params]
     layout += [f"{join_name(prefix, name)} {tuple(b.shape)} {b.dtype}" for name, _, _, b in buffers]
-    if all_ranks_agree("\n".join(layout), group, device):
-        return
-    everyone = all_gather_object(layout, group)
-    rank = next(r for r in range(len(everyone)) if everyone[r] != everyone[0])
-    first = next(i for i in range(max(len(everyone[0]), len(everyone[rank]))) if everyone[0][i : i + 1] != everyone[rank][i : i + 1])
-    mine, theirs = (everyone[r][first] if first < len(everyone[r]) else "nothing" for r in (0, rank))
-    raise ValueError(
-        f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap, so "
-        f"rank 0's parameters and buffers cannot be broadcast: rank 0 has {mine}, rank {rank} has {theirs}"
-    )
+    difference = first_difference(layout, Communicator(group), device)
+    if difference is not None:
+        raise ValueError(
+            f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap, so rank 0's "
+            f"parameters and buffers cannot be broadcast: rank 0 has {difference.reference}, rank {difference.rank} "
+            f"has {difference.theirs}"
+        )
 
 
 # -- options ------------------------------------------------------------------------------
@@ -196,30 +157,31 @@ def _check_same_on_all_ranks(
 _LATER = "is not supported yet"
 
 
-def check_options(o: Dict[str, Any]) -> UnitConfig:
+def check_options(o: ConstructionOptions) -> UnitConfig:
     """The unit's runtime options, after checking every constructor argument."""
-    strategy = coerce_enum(o["sharding_strategy"], ShardingStrategy, "sharding_strategy", allow_none=True)
+    strategy = coerce_enum(o.sharding_strategy, ShardingStrategy, "sharding_strategy", allow_none=True)
     strategy = strategy or ShardingStrategy.FULL_SHARD
-    _check_hybrid_groups(strategy, o["process_group"], o["device_mesh"])
-    offload = coerce_config(o["cpu_offload"], CPUOffload, "cpu_offload")
+    _check_hybrid_groups(strategy, o.process_group, o.device_mesh)
+    offload = coerce_config(o.cpu_offload, CPUOffload, "cpu_offload")
     offload_params = offload is not None and offload.offload_params
     if not isinstance(offload_params, bool):
         raise TypeError(f"cpu_offload.offload_params must be a bool; got {offload_params!r}")
-    prefetch = coerce_enum(o["backward_prefetch"], BackwardPrefetch, "backward_prefetch", allow_none=True)
-    mp = coerce_config(o["mixed_precision"], MixedPrecision, "mixed_precision")
+    prefetch = coerce_enum(o.backward_prefetch, BackwardPrefetch, "backward_prefetch", allow_none=True)
+    mp = coerce_config(o.mixed_precision, MixedPrecision, "mixed_precision")
     if mp is not None:
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             dtype = getattr(mp, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise TypeError(f"mixed_precision.{field} must be a floating-point torch.dtype or None; got {dtype!r}")
-    if o["param_init_fn"] is not None and not callable(o["param_init_fn"]):
-        raise TypeError(f"param_init_fn must be callable; got {o['param_init_fn']!r}")
+    if o.param_init_fn is not None and not callable(o.param_init_fn):
+        raise TypeError(f"param_init_fn must be callable; got {o.param_init_fn!r}")
     for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
-        if not isinstance(o[name], bool):
-            raise TypeError(f"{name} must be a bool; got {o[name]!r}")
-    if o["use_orig_params"]:
+        value = getattr(o, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {value!r}")
+    if o.use_orig_params:
         raise NotImplementedError(f"use_orig_params=True {_LATER}")
-    return UnitConfig(strategy, prefetch, o["forward_prefetch"], o["limit_all_gathers"], offload_params, mp)
+    return UnitConfig(strategy, prefetch, o.forward_prefetch, o.limit_all_gathers, offload_params, mp)
 
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -271,7 +233,7 @@ def _resolve_groups(strategy: ShardingStrategy, process_group: Any, device_mesh:
 Ignored = Tuple[Dict[int, nn.Module], Dict[int, nn.Parameter]]
 
 
-def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any, wrapper_cls: Type[nn.Module]) -> Ignored:
+def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any) -> Ignored:
     """The ignored modules (with everything under them) and ignored parameters, by id: their
     states stay ordinary, unsharded and unreduced."""
     if ignored_modules is not None and ignored_states is not None:
@@ -282,8 +244,8 @@ def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any
     for item in items:
         if isinstance(item, nn.Parameter) and ignored_states is not None:
             params[id(item)] = item
-        elif isinstance(item, wrapper_cls):
-            raise ValueError(f"ignored modules must not be {wrapper_cls.__name__} units; got one wrapping {type(item.module).__name__}")
+        elif unit_of(item) is not None:
+            raise ValueError(f"ignored modules must not be {type(item).__name__} units; got one wrapping {type(item.module).__name__}")
         elif isinstance(item, nn.Module):
             if item is module:
                 raise ValueError("the module being wrapped cannot itself be ignored")
@@ -310,7 +272,7 @@ _Nested = List[Tuple[str, Unit]]
 _Named = List[Tuple[str, nn.Module]]
 
 
-def collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) -> Tuple[List[OrigParam], _Buffers, _Nested, _Named]:
+def collect(module: nn.Module, ignored: Ignored) -> Tuple[List[OrigParam], _Buffers, _Nested, _Named]:
     """What ``module``'s tree has outside nested units and ignored states: parameter
     registrations, buffers and the modules themselves (named); plus every nested unit (any
     depth, named)."""
@@ -334,8 +296,8 @@ def collect(module: nn.Module, wrapper_cls: Type[nn.Module], ignored: Ignored) -
             if child is None:
                 continue
             child_prefix = join_name(prefix, child_name)
-            if isinstance(child, wrapper_cls):
-                child_unit = unit_of(child)
+            child_unit = unit_of(child)
+            if child_unit is not None:
                 nested.append((child_prefix, child_unit))
                 nested.extend((join_name(child_prefix, name), unit) for name, unit in child_unit.descendants)
             else:

@@ -17,11 +17,13 @@ meanwhile (the caller checks).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from ._unit import unit_of
+from ._common import WRAPPED_MODULE
 from .flat_param import FlatParamHandle
 
 _MISSING = object()
@@ -32,24 +34,24 @@ Values = Optional[Mapping[FlatParamHandle, Sequence[torch.Tensor]]]
 
 
 @contextlib.contextmanager
-def plain_view(root: nn.Module, handles: Sequence[FlatParamHandle], values: Values, is_wrapper: Callable[[nn.Module], bool]) -> Iterator[nn.Module]:
+def plain_view(root: nn.Module, handles: Sequence[FlatParamHandle], values: Values) -> Iterator[nn.Module]:
     """Inside: ``root`` as built -- the module it wraps if it is a wrapper -- with every
     nested wrapper replaced by its module and the original parameters of ``handles``
     installed (see [Note: plain view])."""
     modules = list(root.modules())
-    with swap_wrappers(modules, root, is_wrapper), install_params(modules, handles, values):
-        yield root._modules["_fsdp_wrapped_module"] if is_wrapper(root) else root  # type: ignore[misc]
+    with swap_wrappers(modules, root), install_params(modules, handles, values):
+        yield root._modules[WRAPPED_MODULE] if unit_of(root) is not None else root  # type: ignore[misc]
 
 
 @contextlib.contextmanager
-def swap_wrappers(modules: Iterable[nn.Module], root: nn.Module, is_wrapper: Callable[[nn.Module], bool]) -> Iterator[None]:
+def swap_wrappers(modules: Iterable[nn.Module], root: nn.Module) -> Iterator[None]:
     """Replace every wrapper among ``modules``' children (but ``root``) by the module it wraps."""
     swapped: List[Tuple[nn.Module, str, nn.Module]] = []
     try:
         for parent in modules:
             for name, child in list(parent._modules.items()):
-                if child is not None and child is not root and is_wrapper(child):
-                    parent._modules[name] = child._modules["_fsdp_wrapped_module"]
+                if child is not None and child is not root and unit_of(child) is not None:
+                    parent._modules[name] = child._modules[WRAPPED_MODULE]
                     swapped.append((parent, name, child))
         yield
     finally:

@@ -17,18 +17,18 @@ also run the same checks, so a plan is refused exactly when the wrapper would re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, Type
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
 from ._common import coerce_config, describe_module, display_name, join_name
-from ._init import Ignored, check_options, check_params, check_ties, resolve_ignored, unit_of
-from ._unit import Unit
+from ._init import Ignored, check_options, check_params, check_ties, resolve_ignored
+from ._options import NOT_PER_UNIT, ConstructionOptions
+from ._unit import Unit, unit_of
 from .api import MixedPrecision
 from .flat_param import OrigParam
 from .wrap import ModuleWrapPolicy, select_units
 
-_NOT_PER_UNIT = ("module", "auto_wrap_policy", "ignored_modules", "ignored_states")
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
@@ -38,7 +38,7 @@ class PlannedUnit:
 
     name: str  # the module's path from the root, as the user names it ("" for the root)
     module: nn.Module
-    overrides: Dict[str, Any]  # constructor arguments that differ from the root's
+    overrides: Dict[str, Any]  # a policy's constructor arguments for this unit (``ConstructionOptions`` field names)
     parent: Optional["PlannedUnit"]  # the enclosing planned unit (None for the root)
     params: List[OrigParam] = field(default_factory=list)  # names relative to ``module``
     slots: List[Tuple[nn.Module, str]] = field(default_factory=list)  # (parent module, attribute) to put the wrapper in
@@ -55,25 +55,25 @@ class _Registration:
     param: nn.Parameter
 
 
-def make_plan(root: nn.Module, options: Dict[str, Any], *, wrapper_cls: Type[nn.Module]) -> List[PlannedUnit]:
-    """The units to build for ``root`` under ``options["auto_wrap_policy"]`` (``None``: only
+def make_plan(root: nn.Module, options: ConstructionOptions) -> List[PlannedUnit]:
+    """The units to build for ``root`` under ``options.auto_wrap_policy`` (``None``: only
     the root), innermost first, the root last, after every check the wrapper would make.
 
-    Modules that already are ``wrapper_cls`` units are left alone (they own their parameters);
+    Modules that already are units (``ShardedDataParallel``s) are left alone (they own their parameters);
     ignored modules and parameters are left out.
     """
-    ignored = resolve_ignored(root, options["ignored_modules"], options["ignored_states"], wrapper_cls)
-    policy = options["auto_wrap_policy"] if options["auto_wrap_policy"] is not None else ModuleWrapPolicy(())
+    ignored = resolve_ignored(root, options.ignored_modules, options.ignored_states)
+    policy = options.auto_wrap_policy if options.auto_wrap_policy is not None else ModuleWrapPolicy(())
     targets = select_units(
         root,
         policy,
-        is_wrapped=lambda m: isinstance(m, wrapper_cls),
+        is_wrapped=lambda m: unit_of(m) is not None,
         ignored_modules=set(ignored[0].values()),
         ignored_params=set(ignored[1].values()),
     )
-    _add_full_precision_units(root, options, targets, ignored, wrapper_cls)
+    _add_full_precision_units(root, options, targets, ignored)
     units = [PlannedUnit("", root, {}, None)]
-    registrations, nested = _walk(root, targets, units, wrapper_cls, ignored)
+    registrations, nested = _walk(root, targets, units, ignored)
     _assign(registrations, units)
     check_ties([OrigParam(r.path, r.module_path, r.module, r.attr, r.param) for r in registrations], nested)
     for unit in units:
@@ -84,15 +84,15 @@ def make_plan(root: nn.Module, options: Dict[str, Any], *, wrapper_cls: Type[nn.
 
 
 def _add_full_precision_units(
-    root: nn.Module, options: Dict[str, Any], targets: Dict[nn.Module, Dict[str, Any]], ignored: Ignored, wrapper_cls: Type[nn.Module]
+    root: nn.Module, options: ConstructionOptions, targets: Dict[nn.Module, Dict[str, Any]], ignored: Ignored
 ) -> None:
     """With mixed precision and a policy, the module classes MixedPrecision keeps in full
     precision (BatchNorm) become units of their own, as FSDP1 wraps them (see ``_init._precision``)."""
-    mp = coerce_config(options["mixed_precision"], MixedPrecision, "mixed_precision")
-    if options["auto_wrap_policy"] is None or mp is None or not _casts(mp):
+    mp = coerce_config(options.mixed_precision, MixedPrecision, "mixed_precision")
+    if options.auto_wrap_policy is None or mp is None or not _casts(mp):
         return
     classes = tuple(mp._module_classes_to_ignore)
-    inside_units = {id(m) for w in root.modules() if isinstance(w, wrapper_cls) for m in w.modules()}
+    inside_units = {id(m) for w in root.modules() if unit_of(w) is not None for m in w.modules()}
     for module in root.modules():
         if module is not root and isinstance(module, classes) and id(module) not in inside_units and id(module) not in ignored[0]:
             targets.setdefault(module, {})
@@ -102,14 +102,14 @@ def _casts(mp: MixedPrecision) -> bool:
     return any(d is not None for d in (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype))
 
 
-def unit_options(options: Dict[str, Any], unit: PlannedUnit) -> Dict[str, Any]:
+def unit_options(options: ConstructionOptions, unit: PlannedUnit) -> ConstructionOptions:
     """The constructor arguments of a planned unit: the root's, with its overrides and
-    without the policy."""
-    return {**options, **unit.overrides, "auto_wrap_policy": None}
+    without the policy (the overrides are checked by ``_check_overrides``)."""
+    return options.for_unit(unit.overrides)
 
 
 def _check_overrides(unit: PlannedUnit) -> None:
-    bad = [key for key in unit.overrides if key in _NOT_PER_UNIT]
+    bad = [key for key in unit.overrides if key in NOT_PER_UNIT]
     if bad:
         raise ValueError(
             f"the auto-wrap policy cannot override {bad[0]!r} for one unit "
@@ -121,7 +121,6 @@ def _walk(
     root: nn.Module,
     targets: Dict[nn.Module, Dict[str, Any]],
     units: List[PlannedUnit],
-    wrapper_cls: Type[nn.Module],
     ignored: Ignored,
 ) -> Tuple[List[_Registration], List[Tuple[str, Unit]]]:
     """Create a planned unit per target, note where each one sits, and every parameter
@@ -143,8 +142,8 @@ def _walk(
         for name, child in module._modules.items():
             if child is None or id(child) in ignored_modules or id(child) in walking:
                 continue
-            if isinstance(child, wrapper_cls):
-                wrapped = unit_of(child)
+            wrapped = unit_of(child)
+            if wrapped is not None:
                 path = join_name(here, name)
                 nested.setdefault(id(child), (path, wrapped))
                 for inner_name, inner in wrapped.descendants:

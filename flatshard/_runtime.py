@@ -39,7 +39,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
-from ._collectives import all_gather_object, fingerprint
+from ._collectives import all_gather_object, differences, fingerprint, item_at
 from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
 from ._saved import SavedParamGuard
@@ -314,8 +314,8 @@ class RootRuntime(RootContext):
                 continue
             if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
                 everyone = all_gather_object(names, comm.group)
-                first = next(i for i in range(max(map(len, everyone))) if len({tuple(o[i : i + 1]) for o in everyone}) > 1)
-                ran = "; ".join(f"rank {r} ran {o[first] if first < len(o) else 'nothing'}" for r, o in enumerate(everyone))
+                first = min(d.index for d in differences(everyone, "nothing"))  # where any rank differs
+                ran = "; ".join(f"rank {r} ran {item_at(o, first, 'nothing')}" for r, o in enumerate(everyone))
                 problem = f"unit #{first} of this forward differs: {ran}"
             raise RuntimeError(
                 f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "

@@ -9,25 +9,22 @@ again. So beyond the output no rank ever holds more than one unit's full paramet
 already contains this rank's range, and a ``DTensor`` is assembled (``full_tensor()``) one
 parameter at a time. LOCAL state dicts hold each handle's flat shard as it is, with a layout
 record that loading checks, since a shard only makes sense at the same world size and rank.
-
-[Note: load agreement] Loading is collective (``DTensor`` values are gathered), so before any
-gathering the ranks compare, with one small all-gather, a digest of what they were given and
-whether torch's own checks failed; a disagreement becomes an error on every rank, never a hang.
+Before loading, the ranks check that they were given the same structure (see [Note: load
+agreement] in ``_checkpointing``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ._collectives import Communicator, all_gather_object, fingerprint
-from ._common import HandleState, clean_name, coerce_config, coerce_enum, join_name
+from ._checkpointing import agree_on_load, as_dtensor, check_idle, check_ranks_agree, full_value, is_dtensor, named_units
+from ._common import HandleState, coerce_config, coerce_enum, display_name, join_name
 from ._plain_view import plain_view
-from ._summon import check_idle, check_ranks_agree
 from ._unit import Unit
 from .api import (
     FullOptimStateDictConfig,
@@ -51,16 +48,8 @@ _CONFIGS = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 
-IsWrapper = Callable[[nn.Module], bool]
-
 
 # -- settings -----------------------------------------------------------------------------
-
-
-def named_units(module: nn.Module, is_wrapper: IsWrapper) -> List[Tuple[str, Unit]]:
-    """Every unit in ``module``'s tree with its path relative to ``module`` (wrapper names
-    removed), in module order."""
-    return [(clean_name(path), m._unit) for path, m in module.named_modules() if is_wrapper(m)]  # type: ignore[misc]
 
 
 def make_settings(state_dict_type: Any, state_dict_config: Any, optim_state_dict_config: Any) -> StateDictSettings:
@@ -88,10 +77,10 @@ def _coerce_kind(value: Any, expected: type, base: type, arg_name: str, kind: St
     raise TypeError(f"{arg_name} must be a {expected.__name__} or None; got {value!r}")
 
 
-def set_settings(module: nn.Module, settings: StateDictSettings, is_wrapper: IsWrapper) -> StateDictSettings:
+def set_settings(module: nn.Module, settings: StateDictSettings) -> StateDictSettings:
     """Apply ``settings`` to every unit under ``module``; return the previous ones (of the
     outermost unit, should they differ)."""
-    units = [unit for _, unit in named_units(module, is_wrapper)]
+    units = [unit for _, unit in named_units(module)]
     if not units:
         raise ValueError(f"set_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
     previous = dataclasses.replace(units[0].state_dict_settings)
@@ -100,9 +89,9 @@ def set_settings(module: nn.Module, settings: StateDictSettings, is_wrapper: IsW
     return previous
 
 
-def snapshot_settings(module: nn.Module, is_wrapper: IsWrapper) -> List[Tuple[Unit, StateDictSettings]]:
+def snapshot_settings(module: nn.Module) -> List[Tuple[Unit, StateDictSettings]]:
     """Every unit's settings, for ``restore_settings``."""
-    return [(unit, dataclasses.replace(unit.state_dict_settings)) for _, unit in named_units(module, is_wrapper)]
+    return [(unit, dataclasses.replace(unit.state_dict_settings)) for _, unit in named_units(module)]
 
 
 def restore_settings(snapshot: Sequence[Tuple[Unit, StateDictSettings]]) -> None:
@@ -110,9 +99,9 @@ def restore_settings(snapshot: Sequence[Tuple[Unit, StateDictSettings]]) -> None
         unit.use_state_dict_settings(settings)
 
 
-def get_settings(module: nn.Module, is_wrapper: IsWrapper) -> StateDictSettings:
+def get_settings(module: nn.Module) -> StateDictSettings:
     """The settings shared by every unit under ``module`` (an error if they differ)."""
-    named = named_units(module, is_wrapper)
+    named = named_units(module)
     if not named:
         raise ValueError(f"get_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
     first_name, first = named[0]
@@ -120,26 +109,22 @@ def get_settings(module: nn.Module, is_wrapper: IsWrapper) -> StateDictSettings:
         if unit.state_dict_settings != first.state_dict_settings:
             raise ValueError(
                 f"the ShardedDataParallel units under {type(module).__name__} have different state-dict "
-                f"settings: {_where(first_name)} has {first.state_dict_settings}, {_where(name)} has "
+                f"settings: {display_name(first_name)} has {first.state_dict_settings}, {display_name(name)} has "
                 f"{unit.state_dict_settings}; use set_state_dict_type on the whole model"
             )
     return dataclasses.replace(first.state_dict_settings)
 
 
-def _where(name: str) -> str:
-    return f"'{name}'" if name else "the root module"
-
-
 # -- saving -------------------------------------------------------------------------------
 
 
-def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefix: str, keep_vars: bool, is_wrapper: IsWrapper) -> Dict[str, Any]:
+def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefix: str, keep_vars: bool) -> Dict[str, Any]:
     """``wrapper.state_dict()`` in the form its state-dict type selects (see
     [Note: state dicts unit by unit])."""
-    named = named_units(wrapper, is_wrapper)
+    named = named_units(wrapper)
     units = [unit for _, unit in named]
     check_idle(units, "state_dict()")
-    settings = get_settings(wrapper, is_wrapper)
+    settings = get_settings(wrapper)
     kind, config = settings.state_dict_type, settings.state_dict_config
     handles = [h for unit in units for h in unit.handles]
     root = units[0]
@@ -155,12 +140,12 @@ def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefi
         values = None
     if keep_vars and values is not None:
         values = {h: [nn.Parameter(v, requires_grad=h.requires_grad) for v in vs] for h, vs in values.items()}
-    with plain_view(wrapper, handles, values, is_wrapper) as inner:
+    with plain_view(wrapper, handles, values) as inner:
         out = inner.state_dict(prefix=prefix, keep_vars=keep_vars)
         _uncast_buffers(out, inner, units, prefix)
     if config.offload_to_cpu:
         for key, value in out.items():
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu" and not _is_dtensor(value):
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu" and not is_dtensor(value):
                 out[key] = value.cpu()
     if kind is StateDictType.LOCAL_STATE_DICT:
         _add_local(out, named, prefix, config.offload_to_cpu, keep_vars)
@@ -220,59 +205,6 @@ def _sharded_values(units: Sequence[Unit], offload: bool) -> Dict[FlatParamHandl
     return values
 
 
-def as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
-    """This rank's part of ``full`` as a ``DTensor`` on the unit's mesh: ``Shard(0)`` in
-    ``torch.chunk`` parts (``Replicate`` for 0-dim), optionally on the CPU."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if full.dim() == 0:
-        local, placements = full.clone(), [Replicate()]
-    else:
-        local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
-    if offload:
-        local = local.cpu()
-    return DTensor.from_local(local, unit.mesh(), placements, run_check=False, shape=full.shape, stride=full.stride())
-
-
-def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
-    """``rank``'s part of ``full`` along dim 0 as ``Shard(0)`` places it: ``torch.chunk``'s
-    split, with empty parts for the ranks it runs out before."""
-    chunks = full.chunk(world_size, dim=0)
-    if rank < len(chunks):
-        return chunks[rank]
-    return full.new_empty((0,) + tuple(full.shape[1:]))
-
-
-def full_value(value: Any, comm: Communicator) -> Any:
-    """The full tensor of a state-dict value: a plain tensor as it is; a ``DTensor`` split
-    ``Shard(0)`` over ``comm``'s ranks (as flatshard and FSDP1 make them) assembled with one
-    all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``."""
-    if not _is_dtensor(value):
-        return value
-    from torch.distributed.tensor import Replicate, Shard
-
-    mesh, shape = value.device_mesh, tuple(value.shape)
-    if mesh.ndim != 1 or mesh.mesh.tolist() != comm.global_ranks():
-        return value.full_tensor()
-    local = value.to_local()
-    if value.placements == (Replicate(),):
-        return local
-    if value.placements != (Shard(0),) or not shape:
-        return value.full_tensor()
-    rows = -(-shape[0] // comm.world_size)  # torch.chunk's part size
-    padded = local.new_zeros((rows,) + shape[1:])
-    padded[: local.shape[0]].copy_(local)
-    out = local.new_empty((comm.world_size * rows,) + shape[1:])
-    comm.all_gather(out.view(-1), padded.reshape(-1))
-    return out[: shape[0]]
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
 def _add_local(out: Dict[str, Any], named: Sequence[Tuple[str, Unit]], prefix: str, offload: bool, keep_vars: bool) -> None:
     for path, unit in named:
         for handle in unit.handles:
@@ -295,26 +227,26 @@ def _local_layout(named: Sequence[Tuple[str, Unit]]) -> Dict[str, Any]:
 # -- loading ------------------------------------------------------------------------------
 
 
-def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: bool, is_wrapper: IsWrapper) -> Any:
+def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> Any:
     """``wrapper.load_state_dict(state_dict, strict)`` for its state-dict type."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_state_dict: state_dict must be a mapping (e.g. a dict); got {type(state_dict).__name__}")
-    named = named_units(wrapper, is_wrapper)
+    named = named_units(wrapper)
     units = [unit for _, unit in named]
     check_idle(units, "load_state_dict()")
-    kind = get_settings(wrapper, is_wrapper).state_dict_type
+    kind = get_settings(wrapper).state_dict_type
     handles = [h for unit in units for h in unit.handles]
     if kind is StateDictType.LOCAL_STATE_DICT:
-        return _load_local(wrapper, named, handles, state_dict, strict, is_wrapper)
+        return _load_local(wrapper, named, handles, state_dict, strict)
     sinks = {h: [LoadSink(info.shape, h.dtype) for info in h.param_infos] for h in handles}
     error: Optional[BaseException] = None
     result = None
-    with plain_view(wrapper, handles, sinks, is_wrapper) as inner:
+    with plain_view(wrapper, handles, sinks) as inner:
         try:
             result = inner.load_state_dict(state_dict, strict=strict)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
-    _agree(units[0], state_dict, error, "load_state_dict")
+    agree_on_load(units[0], state_dict, error, "load_state_dict")
     for handle in handles:
         for index, sink in enumerate(sinks[handle]):
             if sink.loaded is not None:  # (the last registration of a tie wins, as in torch)
@@ -349,52 +281,12 @@ class LoadSink(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
-def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
-    out = []
-    for key, value in state_dict.items():
-        shape = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
-        out.append(f"{key}: {type(value).__name__}{shape}")
-    return out
-
-
-def _agree(unit: Unit, state_dict: Mapping[str, Any], error: Optional[BaseException], what: str) -> None:
-    """See [Note: load agreement]. Raises ``error`` (or the first failing rank's) on every rank."""
-    entries = _describe_entries(state_dict)
-    if unit.world_size > 1:
-        digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
-        everyone = unit.comm.gather_ints(digest, unit.device)
-        if len(set(everyone)) > 1:
-            reports = all_gather_object((None if error is None else str(error), entries), unit.group)
-            _raise_disagreement(unit.rank, reports, error, what)
-    if error is not None:
-        raise error
-
-
-def _raise_disagreement(rank: int, reports: List[Tuple[Optional[str], List[str]]], error: Optional[BaseException], what: str) -> None:
-    if error is not None:
-        raise error
-    failed = [r for r, (message, _) in enumerate(reports) if message is not None]
-    if failed:
-        raise RuntimeError(f"[rank {rank}] {what} failed on rank {failed[0]}:\n{reports[failed[0]][0]}")
-    entries = reports[0][1]
-    other = next(r for r, (_, theirs) in enumerate(reports) if theirs != entries)
-    theirs = reports[other][1]
-    index = next(i for i in range(max(len(entries), len(theirs))) if entries[i : i + 1] != theirs[i : i + 1])
-    mine = entries[index] if index < len(entries) else "nothing more"
-    its = theirs[index] if index < len(theirs) else "nothing more"
-    raise ValueError(
-        f"[rank {rank}] {what}: the ranks passed different state dicts (every rank must pass the same "
-        f"keys, types and shapes): entry #{index} is '{mine}' on rank 0 but '{its}' on rank {other}"
-    )
-
-
 def _load_local(
     wrapper: nn.Module,
     named: Sequence[Tuple[str, Unit]],
     handles: Sequence[FlatParamHandle],
     state_dict: Mapping[str, Any],
     strict: bool,
-    is_wrapper: IsWrapper,
 ) -> Any:
     shards = {join_name(path, h.attr_name): h for path, unit in named for h in unit.handles}
     rest: Dict[str, Any] = OrderedDict((k, v) for k, v in state_dict.items() if k not in shards and k != LOCAL_LAYOUT_KEY)
@@ -402,13 +294,13 @@ def _load_local(
         rest._metadata = state_dict._metadata  # type: ignore[attr-defined]
     error: Optional[BaseException] = None
     result = None
-    with plain_view(wrapper, handles, None, is_wrapper) as inner:
+    with plain_view(wrapper, handles, None) as inner:
         try:
             result = inner.load_state_dict(rest, strict=strict)
             _check_local(state_dict, shards, _local_layout(named), strict, result)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
-    _agree(named[0][1], {k: v for k, v in state_dict.items() if k != LOCAL_LAYOUT_KEY}, error, "load_state_dict")
+    agree_on_load(named[0][1], {k: v for k, v in state_dict.items() if k != LOCAL_LAYOUT_KEY}, error, "load_state_dict")
     with torch.no_grad():
         for key, handle in shards.items():
             if key in state_dict:

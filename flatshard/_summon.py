@@ -22,33 +22,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import first_difference
+from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
-from ._runtime import reduce_held, settle
 from ._unit import Unit
 from .flat_param import FlatParamHandle
 
 _SUMMON = TrainingState.SUMMON_FULL_PARAMS
 _IDLE = TrainingState.IDLE
-
-
-def check_idle(units: Sequence[Unit], what: str) -> None:
-    """Raise unless every unit is idle: ``what`` cannot run during forward, backward or
-    another ``summon_full_params``. A backward that raised is cleaned up first."""
-    for ctx in {id(u.ctx): u.ctx for u in units}.values():
-        settle(ctx)
-    for unit in units:
-        if unit.training_state is _SUMMON:
-            raise RuntimeError(
-                f"{unit.where()}: {what} cannot be used inside summon_full_params (the unit's "
-                f"full parameters are already summoned)"
-            )
-        if unit.training_state is not _IDLE:
-            raise RuntimeError(
-                f"{unit.where()}: {what} cannot be used while the unit is in {unit.training_state.name} "
-                f"(during forward or backward); call it between iterations"
-            )
 
 
 def check_summon_options(**flags: Any) -> None:
@@ -192,34 +173,6 @@ def _replacements(unit: Unit, handle: FlatParamHandle, params: List[nn.Parameter
             )
         replaced[index] = now
     return replaced
-
-
-def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
-    """Before reading gradients: outside ``no_sync()``, average what ``no_sync`` backwards left
-    that no synchronised backward averaged (collective, as ``optimizer.step()`` does; see
-    [Note: no_sync gradients at the step] in ``_stale_optimizer``). Inside it they cannot be:
-    raise."""
-    for ctx in {id(u.ctx): u.ctx for u in units if u.ctx is not None}.values():
-        if all(u.sync_gradients for u in ctx.units):
-            reduce_held(ctx)
-    for handle in (h for unit in units for h in unit.handles):
-        if handle.holds_no_sync_grad():
-            raise RuntimeError(
-                f"{what} inside no_sync() after a backward under it: the gradients are not averaged over "
-                f"the ranks yet; call it outside no_sync(), which averages them first"
-            )
-
-
-def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
-    """Raise on every rank unless every rank passed the same ``items`` (a collective that
-    only some ranks enter would hang), naming the first difference."""
-    difference = first_difference(list(items), unit.comm, unit.device)
-    if difference is not None:
-        other, mine, theirs = difference
-        raise RuntimeError(
-            f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
-            f"{mine}, rank {other} has {theirs}"
-        )
 
 
 def forward_while_summoned(unit: Unit, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
-from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_gather_object, all_ranks_agree, mesh_of
+from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from ._common import TrainingState, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
 from .api import (
@@ -226,6 +226,17 @@ class RootContext:
         self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())
 
 
+UNIT_ATTR = "_unit"  # where a wrapper keeps its unit
+
+
+def unit_of(module: Any) -> Optional[Unit]:
+    """The unit ``module`` wraps if it is a ``ShardedDataParallel`` wrapper, else ``None``: the
+    one way every layer tells a wrapper from another module (no layer below the public class
+    imports it)."""
+    unit = getattr(module, "__dict__", {}).get(UNIT_ATTR)
+    return unit if isinstance(unit, Unit) else None
+
+
 def root_of(unit: Unit) -> Unit:
     """The outermost unit enclosing ``unit`` (``unit`` itself if it is not nested)."""
     while unit.parent is not None:
@@ -248,18 +259,13 @@ def check_same_units(root: Unit) -> None:
             f"[rank {root.rank}] the replicas of a hybrid-sharded model wrapped different models (every rank "
             f"must build the same units with the same parameters, shapes, dtypes and options)"
         )
-    if all_ranks_agree("\n".join(descriptions), root.group, root.device):
+    per_rank = gather_if_different(descriptions, Communicator(root.group), root.device)
+    if per_rank is None:
         return
-    per_rank: List[List[str]] = all_gather_object(descriptions, root.group)
-    reference = per_rank[0]
-    lines = []
-    for rank, units in enumerate(per_rank):
-        width = max(len(units), len(reference))
-        first = next((i for i in range(width) if units[i : i + 1] != reference[i : i + 1]), None)
-        if first is not None:
-            mine = units[first] if first < len(units) else "(no such unit)"
-            ref = reference[first] if first < len(reference) else "(no such unit)"
-            lines.append(f"  unit #{first}: rank 0 has {ref}\n             rank {rank} has {mine}")
+    lines = [
+        f"  unit #{d.index}: rank 0 has {d.reference}\n             rank {d.rank} has {d.theirs}"
+        for d in differences(per_rank, "(no such unit)")
+    ]
     raise ValueError(
         f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
         f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines)

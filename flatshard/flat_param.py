@@ -310,11 +310,8 @@ class FlatParamHandle:
             shard = shard.to(self.device, non_blocking=True)
         if shard.dtype != self.compute_dtype:
             shard = shard.to(self.compute_dtype)
-        if self.sharded:
-            self._gather = self.comm.all_gather(self._full_data, shard, async_op=True)
-        else:  # a cast copy (mixed precision without sharding)
-            self._full_data.copy_(shard)
-            self._gather = Pending(None)
+        # (not sharded: a cast copy, mixed precision without sharding)
+        self._gather = self._gather_padded_into(self._full_data, shard, async_op=True)
         if not async_op:
             self.wait()
 
@@ -448,22 +445,33 @@ class FlatParamHandle:
         """A new full (padded) flat tensor in the parameters' own dtype, e.g. for state dicts
         under mixed precision, where the gathered tensor is in the compute dtype.
         Collective when sharded."""
-        shard = self.flat_param.detach().to(self.device)
-        if not self.sharded:
-            return shard.clone()
-        full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        self.comm.all_gather(full, shard.contiguous())
-        return full
+        return self.gather_padded(self.flat_param.detach().to(self.device))
 
     def gather_grad(self) -> Optional[torch.Tensor]:
         """The full (padded) flat gradient assembled from every rank's shard gradient, or
         ``None`` without one. Collective when sharded; every rank must agree on ``None``."""
         grad = self.flat_param.grad
-        if grad is None or not self.sharded:
-            return None if grad is None else grad.detach().clone()
-        full = torch.empty(self.padded_numel, dtype=grad.dtype, device=self.device)
-        self.comm.all_gather(full, grad.detach().to(self.device).contiguous())
+        return None if grad is None else self.gather_padded(grad.detach().to(self.device))
+
+    def gather_padded(self, shard_like: torch.Tensor) -> torch.Tensor:
+        """A new full (padded) flat tensor assembled from every rank's ``shard_like``, a tensor
+        shaped like this rank's shard (its gradient, an optimizer's state of it, ...), in
+        ``shard_like``'s dtype and on its device: an all-gather when sharded (collective), a
+        copy when not."""
+        shard = shard_like.detach()
+        full = shard.new_empty(self.padded_numel)
+        self._gather_padded_into(full, shard, async_op=False)
         return full
+
+    def _gather_padded_into(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Pending:
+        """Fill ``full`` (``padded_numel`` elements) from every rank's ``shard`` (this rank's,
+        ``shard_numel`` elements): the one place a handle assembles a full flat tensor."""
+        if tuple(shard.shape) != (self.shard_numel,):
+            raise AssertionError(f"[rank {self.rank}] {self.attr_name}: expected a shard of shape ({self.shard_numel},), got {tuple(shard.shape)}")
+        if not self.sharded:
+            full.copy_(shard)
+            return Pending(None)
+        return self.comm.all_gather(full, shard.contiguous(), async_op=async_op)
 
     def split_full(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """A full flat tensor (e.g. a gathered gradient) as per-parameter views."""

@@ -31,10 +31,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
+from ._checkpointing import agree_on_load, as_dtensor, full_value, named_units
 from ._collectives import broadcast_object, first_difference
 from ._common import clean_name, join_name
 from ._plain_view import plain_view
-from ._state_dict import IsWrapper, _agree, as_dtensor, full_value, named_units
 from ._unit import Unit
 from .api import OptimStateKeyType
 from .flat_param import FlatParameter, FlatParamHandle
@@ -50,8 +50,8 @@ class OptimStateIndex:
     names of each ``FlatParameter``, the name of each plain (ignored) parameter, and the
     plain model's parameter order and shapes."""
 
-    def __init__(self, model: nn.Module, is_wrapper: IsWrapper) -> None:
-        named = named_units(model, is_wrapper)
+    def __init__(self, model: nn.Module) -> None:
+        named = named_units(model)
         if not named:
             raise ValueError(f"{type(model).__name__} contains no ShardedDataParallel module")
         self.root: Unit = named[0][1]
@@ -67,7 +67,7 @@ class OptimStateIndex:
                 self.plain[id(param)] = clean_name(name)
         handles = [h for unit in self.units for h in unit.handles]
         sinks = {h: [torch.empty(i.shape, dtype=h.dtype, device="meta") for i in h.param_infos] for h in handles}
-        with plain_view(model, handles, sinks, is_wrapper) as inner:
+        with plain_view(model, handles, sinks) as inner:
             named_params = list(inner.named_parameters())
         self.order = {name: i for i, (name, _) in enumerate(named_params)}
         self.shapes = {name: tuple(p.shape) for name, p in named_params}
@@ -159,10 +159,7 @@ def _unflatten(
                 f"optimizer state '{key}' of the FlatParameter of unit '{unit.name}' has shape "
                 f"{tuple(value.shape)}; positional state must be shaped like the parameter, {tuple(handle.flat_param.shape)}"
             )
-        full = value.detach()
-        if handle.sharded:
-            full = torch.empty(handle.padded_numel, dtype=value.dtype, device=value.device)
-            handle.comm.all_gather(full, value.detach().contiguous())
+        full = handle.gather_padded(value)
         if not keep:
             continue
         for name, part in zip(names, handle.split_full(full)):
@@ -175,7 +172,7 @@ def _unflatten(
 
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
-    gathering it (one collective; see [Note: load agreement] in ``_state_dict``)."""
+    gathering it (one collective; see [Note: load agreement] in ``_checkpointing``)."""
     mine = []
     for param, state in zip(params, states):
         if id(param) in index.flat:
@@ -184,10 +181,9 @@ def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor],
     root = index.root
     difference = first_difference(mine, root.comm, root.device)
     if difference is not None:
-        other, first, theirs = difference
         raise RuntimeError(
             f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
-            f"parameters): rank 0 has [{first}], rank {other} has [{theirs}]"
+            f"parameters): rank 0 has [{difference.reference}], rank {difference.rank} has [{difference.theirs}]"
         )
 
 
@@ -195,7 +191,6 @@ def gather_optim_state(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     source: Optional[Mapping[str, Any]],
-    is_wrapper: IsWrapper,
     rank0_only: bool,
     offload: bool,
     sharded: bool,
@@ -203,7 +198,7 @@ def gather_optim_state(
     """The optimizer's state per original parameter, keyed by name: full tensors (on rank 0
     only with ``rank0_only``; ``{}`` elsewhere) or, ``sharded``, ``DTensor`` parts. ``source``:
     a state dict of ``optim`` to use instead of ``optim.state_dict()``."""
-    index = OptimStateIndex(model, is_wrapper)
+    index = OptimStateIndex(model)
     source = optim.state_dict() if source is None else source
     params = [p for group in optimizer_groups(model, optim, None) for p in group]
     states = [source["state"].get(i) for i in range(len(params))]
@@ -426,11 +421,11 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     return groups, new_groups, plans
 
 
-def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTarget, is_wrapper: IsWrapper, what: str, collective: bool) -> Dict[str, Any]:
+def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTarget, what: str, collective: bool) -> Dict[str, Any]:
     """A name-keyed optimizer state dict (full tensors or ``DTensor``s) as the state dict of
     ``target``'s optimizer, for this rank (keyed by parameter ID). ``collective``: the ranks
     check they were given the same structure first (needed for ``DTensor`` values)."""
-    index = OptimStateIndex(model, is_wrapper)
+    index = OptimStateIndex(model)
     error: Optional[BaseException] = None
     groups: List[List[torch.Tensor]] = []
     try:
@@ -439,7 +434,7 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
     except Exception as exc:  # noqa: BLE001 - malformed input: raised on every rank below, not a hang
         error = exc
     if collective:
-        _agree(index.root, _describe(osd) if error is None else {}, error, what)
+        agree_on_load(index.root, _describe(osd) if error is None else {}, error, what)
     elif error is not None:
         raise error
     state: Dict[int, Dict[str, Any]] = {}
@@ -459,10 +454,10 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
     return {"state": state, "param_groups": new_groups}
 
 
-def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], target: LoadTarget, is_wrapper: IsWrapper, what: str) -> Dict[str, Any]:
+def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], target: LoadTarget, what: str) -> Dict[str, Any]:
     """``flatten_optim_state`` where only the first rank has ``osd``: it sends each rank its
     part, one FlatParameter state tensor at a time."""
-    index = OptimStateIndex(model, is_wrapper)
+    index = OptimStateIndex(model)
     root = index.root
     everything = [p for g in target.groups for p in g]
     skeleton: Any = None

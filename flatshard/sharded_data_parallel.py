@@ -12,7 +12,8 @@ from torch import nn
 from ._clip import clip_grad_norm_
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
-from ._init import build_unit, constructor_options
+from ._init import build_unit
+from ._options import ConstructionOptions
 from ._planning import make_plan, unit_options
 from ._runtime import lazy_init, no_sync
 from ._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
@@ -106,38 +107,23 @@ class ShardedDataParallel(nn.Module):
         device_mesh: Optional[Any] = None,
     ) -> None:
         super().__init__()
-        options = constructor_options(
-            process_group=process_group,
-            sharding_strategy=sharding_strategy,
-            cpu_offload=cpu_offload,
-            auto_wrap_policy=auto_wrap_policy,
-            backward_prefetch=backward_prefetch,
-            mixed_precision=mixed_precision,
-            ignored_modules=ignored_modules,
-            param_init_fn=param_init_fn,
-            device_id=device_id,
-            sync_module_states=sync_module_states,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            use_orig_params=use_orig_params,
-            ignored_states=ignored_states,
-            device_mesh=device_mesh,
-        )
+        # Taken before any other local exists: exactly the arguments (see [Note: one list of options]).
+        options = ConstructionOptions.from_constructor(locals())
         owned = None
-        if auto_wrap_policy is not None:
+        if options.auto_wrap_policy is not None:
             owned = _wrap_planned_units(module, options)
-            options["auto_wrap_policy"] = None
-        self._unit = build_unit(module, ShardedDataParallel, options, owned)
+            options = options.for_unit({})  # the root unit's own options: planned, so without the policy
+        self._unit = build_unit(module, options, owned)
         self._fsdp_wrapped_module = module
         # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 
     @classmethod
-    def _planned(cls, module: nn.Module, options: Dict[str, Any], owned: List[OrigParam], name: str) -> "ShardedDataParallel":
+    def _planned(cls, module: nn.Module, options: ConstructionOptions, owned: List[OrigParam], name: str) -> "ShardedDataParallel":
         """An inner unit of an auto-wrap plan (``options`` without the policy)."""
         wrapper = cls.__new__(cls)
         nn.Module.__init__(wrapper)
-        wrapper._unit = build_unit(module, cls, options, owned, name)
+        wrapper._unit = build_unit(module, options, owned, name)
         wrapper._fsdp_wrapped_module = module
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
         return wrapper
@@ -267,12 +253,12 @@ class ShardedDataParallel(nn.Module):
             optim_state_dict_config: the matching optimizer-state config.
         """
         settings = make_settings(state_dict_type, state_dict_config, optim_state_dict_config)
-        return set_settings(module, settings, _is_wrapper)
+        return set_settings(module, settings)
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """The state-dict settings of the units under ``module`` (an error if they differ)."""
-        return get_settings(module, _is_wrapper)
+        return get_settings(module)
 
     @staticmethod
     @contextlib.contextmanager
@@ -283,7 +269,7 @@ class ShardedDataParallel(nn.Module):
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> Iterator[None]:
         """``set_state_dict_type`` for the length of a ``with`` block (same arguments)."""
-        previous = snapshot_settings(module, _is_wrapper)
+        previous = snapshot_settings(module)
         ShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
@@ -296,7 +282,7 @@ class ShardedDataParallel(nn.Module):
         """The model's state in the form ``set_state_dict_type`` selected (default
         ``FULL_STATE_DICT``): the unwrapped model's keys, with full tensors, ``DTensor`` parts,
         or (``LOCAL_STATE_DICT``) this rank's flat shards. Collective: call on every rank."""
-        return model_state(self, destination, prefix, keep_vars, _is_wrapper)
+        return model_state(self, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a state dict of the selected type into the shards; ``strict`` as in torch
@@ -306,7 +292,7 @@ class ShardedDataParallel(nn.Module):
             raise NotImplementedError("load_state_dict(assign=True) is not supported: the values are copied into the shards")
         if not isinstance(strict, bool):
             raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
-        return load_model_state(self, state_dict, strict, _is_wrapper)
+        return load_model_state(self, state_dict, strict)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -427,7 +413,7 @@ class ShardedDataParallel(nn.Module):
             group: the model's process group (``None``: the model's own).
         """
         _optim_checks(model, optim, optim_input, group)
-        return gather_optim_state(model, optim, None, _is_wrapper, rank0_only, offload=True, sharded=False)
+        return gather_optim_state(model, optim, None, rank0_only, offload=True, sharded=False)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
@@ -435,7 +421,7 @@ class ShardedDataParallel(nn.Module):
         ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
         _optim_checks(model, optim, None, group)
         with template_state(optim):
-            return gather_optim_state(model, optim, None, _is_wrapper, rank0_only=False, offload=False, sharded=True)
+            return gather_optim_state(model, optim, None, rank0_only=False, offload=False, sharded=True)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -453,7 +439,7 @@ class ShardedDataParallel(nn.Module):
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
         target = LoadTarget(model, optim, optim_input)
-        return flatten_optim_state(model, full_optim_state_dict, target, _is_wrapper, "shard_full_optim_state_dict", collective=False)
+        return flatten_optim_state(model, full_optim_state_dict, target, "shard_full_optim_state_dict", collective=False)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -467,14 +453,14 @@ class ShardedDataParallel(nn.Module):
         ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
         _check_group(model, group)
         target = LoadTarget(model, optim, optim_input)
-        return scatter_optim_state(model, full_optim_state_dict, target, _is_wrapper, "scatter_full_optim_state_dict")
+        return scatter_optim_state(model, full_optim_state_dict, target, "scatter_full_optim_state_dict")
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
         """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
         ``optim.load_state_dict()`` (works at any world size). Collective."""
         target = LoadTarget(model, optim)
-        return flatten_optim_state(model, sharded_optim_state_dict, target, _is_wrapper, "flatten_sharded_optim_state_dict", collective=True)
+        return flatten_optim_state(model, sharded_optim_state_dict, target, "flatten_sharded_optim_state_dict", collective=True)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -522,15 +508,15 @@ class ShardedDataParallel(nn.Module):
             group: the model's process group (``None``: the model's own).
         """
         _optim_checks(model, optim, None, group)
-        settings = get_settings(model, _is_wrapper)
+        settings = get_settings(model)
         config = settings.optim_state_dict_config
         if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
             rank0_only = getattr(config, "rank0_only", False)
-            return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, rank0_only, config.offload_to_cpu, sharded=False)
+            return gather_optim_state(model, optim, optim_state_dict, rank0_only, config.offload_to_cpu, sharded=False)
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             raise NotImplementedError("optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL or SHARDED")
         with template_state(optim) if optim_state_dict is None else contextlib.nullcontext():
-            return gather_optim_state(model, optim, optim_state_dict, _is_wrapper, False, config.offload_to_cpu, sharded=True)
+            return gather_optim_state(model, optim, optim_state_dict, False, config.offload_to_cpu, sharded=True)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -557,13 +543,13 @@ class ShardedDataParallel(nn.Module):
             raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
         _optim_checks(model, optim, None, group)
         target = LoadTarget(model, optim)
-        settings = get_settings(model, _is_wrapper)
+        settings = get_settings(model)
         if settings.state_dict_type is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
             # FSDP1's rank0_only load: only rank 0's dict counts (the others pass {}).
             mine = optim_state_dict if _root_rank(model) == 0 else None
-            result = scatter_optim_state(model, mine, target, _is_wrapper, "optim_state_dict_to_load")
+            result = scatter_optim_state(model, mine, target, "optim_state_dict_to_load")
         else:
-            result = flatten_optim_state(model, optim_state_dict, target, _is_wrapper, "optim_state_dict_to_load", collective=True)
+            result = flatten_optim_state(model, optim_state_dict, target, "optim_state_dict_to_load", collective=True)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -603,10 +589,6 @@ class ShardedDataParallel(nn.Module):
         return f"{type(self).__name__}({self.extra_repr()}\n  (module): {inner}\n)"
 
 
-def _is_wrapper(module: nn.Module) -> bool:
-    return isinstance(module, ShardedDataParallel)
-
-
 def _check_group(model: nn.Module, group: Optional[ProcessGroup]) -> None:
     roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
     if not roots:
@@ -628,12 +610,12 @@ def _optim_checks(model: nn.Module, optim: Any, optim_input: Any, group: Optiona
     _check_group(model, group)
 
 
-def _wrap_planned_units(root: nn.Module, options: Dict[str, Any]) -> List[OrigParam]:
+def _wrap_planned_units(root: nn.Module, options: ConstructionOptions) -> List[OrigParam]:
     """Apply the auto-wrap policy in ``options``: check the whole plan, then build every
     inner unit (innermost first) in place and return what the root unit itself flattens."""
     if not isinstance(root, nn.Module) or isinstance(root, ShardedDataParallel):
         return []  # build_unit reports it
-    plan = make_plan(root, options, wrapper_cls=ShardedDataParallel)
+    plan = make_plan(root, options)
     for unit in plan[:-1]:
         wrapper = ShardedDataParallel._planned(unit.module, unit_options(options, unit), unit.params, unit.name)
         for parent, attr in unit.slots:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ._callable_module import make_callable
 from ._common import clean_name, display_name
+from ._options import OPTION_NAMES
 
 __all__ = [
     "always_wrap_policy",
@@ -34,26 +35,6 @@ __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
 ]
-
-# The keyword arguments of the wrapper's constructor (FSDP1's), which a CustomPolicy may
-# override per unit. ``module`` is one of them but is never overridable: it is the unit itself.
-_CONSTRUCTOR_ARGS = (
-    "process_group",
-    "sharding_strategy",
-    "cpu_offload",
-    "auto_wrap_policy",
-    "backward_prefetch",
-    "mixed_precision",
-    "ignored_modules",
-    "param_init_fn",
-    "device_id",
-    "sync_module_states",
-    "forward_prefetch",
-    "limit_all_gathers",
-    "use_orig_params",
-    "ignored_states",
-    "device_mesh",
-)
 
 
 def _as_module_classes(value: Any, arg_name: str) -> Tuple[Type[nn.Module], ...]:
@@ -339,10 +320,10 @@ def _custom_overrides(result: Any, path: str, module: nn.Module) -> Optional[Dic
                 f"CustomPolicy's lambda_fn returned an override of 'module' for {where}; the module "
                 f"of a unit is the module itself and cannot be overridden"
             )
-        if key not in _CONSTRUCTOR_ARGS:
+        if key not in OPTION_NAMES:  # (the planner refuses those that hold for the whole plan)
             raise TypeError(
                 f"CustomPolicy's lambda_fn returned the override {key!r} for {where}, which is not a "
-                f"constructor argument; the arguments are {', '.join(_CONSTRUCTOR_ARGS)}"
+                f"constructor argument; the arguments are {', '.join(OPTION_NAMES)}"
             )
     return dict(result)
 

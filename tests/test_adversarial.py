@@ -473,7 +473,18 @@ def _frozen_units_get_nothing(rank: int, world_size: int) -> List[Any]:
     return [grads, [e for e in rec.events if "blocks.1" in e and e.startswith("reduce")]]
 
 
+def _freeze_inside_a_unit(rank: int, world_size: int) -> List[bool]:
+    """A submodule inside a unit holds no parameters after wrapping: its requires_grad_()
+    reaches nothing (README, "Things to know")."""
+    model = wrap(build(), "nested")
+    model.module.norm.requires_grad_(False)  # (in the root unit, flattened there)
+    return [h.requires_grad for h in model.handles] + [len(list(model.module.norm.parameters())) == 0]
+
+
 class StagedFreezingTest(TestCase):
+    def test_freezing_a_submodule_inside_a_unit_reaches_nothing(self) -> None:
+        self.assertEqual(self.pool.run(_freeze_inside_a_unit, 1)[0], [True, True])
+
     def test_freezing_and_unfreezing_units_between_steps_follows_requires_grad(self) -> None:
         for strategy in STRATEGIES:
             for prefetch in ("BACKWARD_PRE", None):

@@ -13,7 +13,7 @@ import argparse
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -22,7 +22,8 @@ from .._callable_module import make_callable
 from .._common import clean_name
 import torch.distributed as dist
 
-from .._init import check_options, constructor_options, group_params
+from .._init import check_options, group_params
+from .._options import ConstructionOptions
 from .._planning import PlannedUnit, make_plan, unit_options
 from ..api import BackwardPrefetch, ShardingStrategy
 from ..flat_param import shard_sizes
@@ -87,6 +88,11 @@ class UnitPlan:
         return sum(g.shard_numel * g.itemsize for g in self.groups if g.requires_grad)
 
 
+# The table's columns; the numeric ones are right-aligned, the last is not padded.
+_HEADER = ("unit", "module", "strategy", "params", "elements", "full", "per rank", "flat parameters")
+_NUMERIC = frozenset({"params", "elements", "full", "per rank"})
+
+
 @dataclass(frozen=True)
 class Plan:
     """A model's units under a policy at a world size; ``str()`` is a table."""
@@ -134,7 +140,7 @@ class Plan:
         return sum(value for _, value in self.memory())
 
     def __str__(self) -> str:
-        rows = [("unit", "module", "strategy", "params", "elements", "full", "per rank", "flat parameters")]
+        rows = [_HEADER]
         for u in self.units:
             groups = ", ".join(_group_text(g) for g in u.groups) or "-"
             rows.append((u.name or "<root>", u.module_type, u.sharding_strategy.name, f"{u.params:,}", f"{u.numel:,}", _size(u.full_bytes), _size(u.shard_bytes), groups))
@@ -142,7 +148,7 @@ class Plan:
         count = len(self.units)
         lines = [f"flatshard plan: {count} unit{'' if count == 1 else 's'}, world size {self.world_size}"]
         for row in rows:
-            cells = [cell.rjust(w) if i in (3, 4, 5, 6) else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+            cells = [cell.rjust(w) if _HEADER[i] in _NUMERIC else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
             lines.append("  ".join(cells + [row[-1]]).rstrip())
         tied = [(names, u.name) for u in self.units for names in u.tied]
         if tied:
@@ -185,7 +191,7 @@ def plan(
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    options = constructor_options(
+    options = ConstructionOptions(
         sharding_strategy=sharding_strategy,
         auto_wrap_policy=auto_wrap_policy,
         backward_prefetch=backward_prefetch,
@@ -193,7 +199,7 @@ def plan(
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
     )
-    planned = make_plan(module, options, wrapper_cls=ShardedDataParallel)
+    planned = make_plan(module, options)
     units = [_unit_plan(u, options, world_size) for u in planned] + _existing_units(module, world_size)
     order = {clean_name(path): i for i, (path, _) in enumerate(module.named_modules())}
     units.sort(key=lambda u: order.get(u.name, len(order)))
@@ -204,10 +210,11 @@ def plan(
     return result
 
 
-def _unit_plan(unit: PlannedUnit, options: Dict[str, Any], world_size: int) -> UnitPlan:
-    config = check_options(unit_options(options, unit))
+def _unit_plan(unit: PlannedUnit, options: ConstructionOptions, world_size: int) -> UnitPlan:
+    own = unit_options(options, unit)
+    config = check_options(own)
     size = world_size
-    group = unit.overrides.get("process_group")
+    group = own.process_group  # (``plan`` takes none: only a policy's override sets one)
     if group is not None:  # (a group exists only if initialised; hybrid: the shard group of the pair)
         size = dist.get_world_size(group[0] if isinstance(group, tuple) else group)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD

@@ -1,0 +1,183 @@
+"""What every collective operation on a whole model between iterations needs: state dicts
+(``_state_dict``), optimizer state (``optim_state``), ``summon_full_params`` (``_summon``) and
+``clip_grad_norm_`` (``_clip``) all find the model's units, guard that they may run now (every
+unit idle, gradients averaged), make the ranks agree on how they were called before the first
+collective that could otherwise hang, and move full tensors in and out of ``DTensor`` parts.
+This module is that shared layer; it sits above the runtime (whose ``settle`` and
+``reduce_held`` the guards call) and below every such operation.
+
+[Note: finding units] A wrapper keeps its ``Unit`` as the attribute ``_unit``; ``unit_of``
+reads it, checking the type, so code below the wrapper class finds units without importing
+that class or being handed a predicate for it.
+
+[Note: load agreement] Loading is collective (``DTensor`` values are gathered), so before any
+gathering the ranks compare, with one small all-gather, a digest of what they were given and
+whether torch's own checks failed; a disagreement becomes an error on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference
+from ._common import TrainingState, clean_name
+from ._runtime import reduce_held, settle
+from ._unit import Unit, unit_of
+
+_SUMMON = TrainingState.SUMMON_FULL_PARAMS
+_IDLE = TrainingState.IDLE
+
+
+# -- finding units ------------------------------------------------------------------------
+
+
+def named_units(module: nn.Module) -> List[Tuple[str, Unit]]:
+    """Every unit in ``module``'s tree with its path relative to ``module`` (wrapper names
+    removed), in module order."""
+    found = ((path, unit_of(m)) for path, m in module.named_modules())
+    return [(clean_name(path), unit) for path, unit in found if unit is not None]
+
+
+# -- guards -------------------------------------------------------------------------------
+
+
+def check_idle(units: Sequence[Unit], what: str) -> None:
+    """Raise unless every unit is idle: ``what`` cannot run during forward, backward or
+    another ``summon_full_params``. A backward that raised is cleaned up first."""
+    for ctx in {id(u.ctx): u.ctx for u in units}.values():
+        settle(ctx)
+    for unit in units:
+        if unit.training_state is _SUMMON:
+            raise RuntimeError(
+                f"{unit.where()}: {what} cannot be used inside summon_full_params (the unit's "
+                f"full parameters are already summoned)"
+            )
+        if unit.training_state is not _IDLE:
+            raise RuntimeError(
+                f"{unit.where()}: {what} cannot be used while the unit is in {unit.training_state.name} "
+                f"(during forward or backward); call it between iterations"
+            )
+
+
+def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
+    """Before reading gradients: outside ``no_sync()``, average what ``no_sync`` backwards left
+    that no synchronised backward averaged (collective, as ``optimizer.step()`` does; see
+    [Note: no_sync gradients at the step] in ``_stale_optimizer``). Inside it they cannot be:
+    raise."""
+    for ctx in {id(u.ctx): u.ctx for u in units if u.ctx is not None}.values():
+        if all(u.sync_gradients for u in ctx.units):
+            reduce_held(ctx)
+    for handle in (h for unit in units for h in unit.handles):
+        if handle.holds_no_sync_grad():
+            raise RuntimeError(
+                f"{what} inside no_sync() after a backward under it: the gradients are not averaged over "
+                f"the ranks yet; call it outside no_sync(), which averages them first"
+            )
+
+
+def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
+    """Raise on every rank unless every rank passed the same ``items`` (a collective that
+    only some ranks enter would hang), naming the first difference."""
+    difference = first_difference(list(items), unit.comm, unit.device)
+    if difference is not None:
+        raise RuntimeError(
+            f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
+            f"{difference.reference}, rank {difference.rank} has {difference.theirs}"
+        )
+
+
+# -- load agreement -----------------------------------------------------------------------
+
+
+def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[BaseException], what: str) -> None:
+    """See [Note: load agreement]. Raises ``error`` (or the first failing rank's) on every rank."""
+    entries = _describe_entries(state_dict)
+    if unit.world_size > 1:
+        digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
+        everyone = unit.comm.gather_ints(digest, unit.device)
+        if len(set(everyone)) > 1:
+            reports = all_gather_object((None if error is None else str(error), entries), unit.group)
+            _raise_disagreement(unit.rank, reports, error, what)
+    if error is not None:
+        raise error
+
+
+def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
+    out = []
+    for key, value in state_dict.items():
+        shape = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        out.append(f"{key}: {type(value).__name__}{shape}")
+    return out
+
+
+def _raise_disagreement(rank: int, reports: List[Tuple[Optional[str], List[str]]], error: Optional[BaseException], what: str) -> None:
+    if error is not None:
+        raise error
+    failed = [r for r, (message, _) in enumerate(reports) if message is not None]
+    if failed:
+        raise RuntimeError(f"[rank {rank}] {what} failed on rank {failed[0]}:\n{reports[failed[0]][0]}")
+    difference = differences([entries for _, entries in reports], "nothing more")[0]
+    raise ValueError(
+        f"[rank {rank}] {what}: the ranks passed different state dicts (every rank must pass the same "
+        f"keys, types and shapes): entry #{difference.index} is '{difference.reference}' on rank 0 but "
+        f"'{difference.theirs}' on rank {difference.rank}"
+    )
+
+
+# -- DTensor values -----------------------------------------------------------------------
+
+
+def is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def as_dtensor(full: torch.Tensor, unit: Unit, offload: bool) -> Any:
+    """This rank's part of ``full`` as a ``DTensor`` on the unit's mesh: ``Shard(0)`` in
+    ``torch.chunk`` parts (``Replicate`` for 0-dim), optionally on the CPU."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if full.dim() == 0:
+        local, placements = full.clone(), [Replicate()]
+    else:
+        local, placements = _chunk(full, unit.world_size, unit.rank).clone(), [Shard(0)]
+    if offload:
+        local = local.cpu()
+    return DTensor.from_local(local, unit.mesh(), placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """``rank``'s part of ``full`` along dim 0 as ``Shard(0)`` places it: ``torch.chunk``'s
+    split, with empty parts for the ranks it runs out before."""
+    chunks = full.chunk(world_size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_empty((0,) + tuple(full.shape[1:]))
+
+
+def full_value(value: Any, comm: Communicator) -> Any:
+    """The full tensor of a state-dict value: a plain tensor as it is; a ``DTensor`` split
+    ``Shard(0)`` over ``comm``'s ranks (as flatshard and FSDP1 make them) assembled with one
+    all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``."""
+    if not is_dtensor(value):
+        return value
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, shape = value.device_mesh, tuple(value.shape)
+    if mesh.ndim != 1 or mesh.mesh.tolist() != comm.global_ranks():
+        return value.full_tensor()
+    local = value.to_local()
+    if value.placements == (Replicate(),):
+        return local
+    if value.placements != (Shard(0),) or not shape:
+        return value.full_tensor()
+    rows = -(-shape[0] // comm.world_size)  # torch.chunk's part size
+    padded = local.new_zeros((rows,) + shape[1:])
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((comm.world_size * rows,) + shape[1:])
+    comm.all_gather(out.view(-1), padded.reshape(-1))
+    return out[: shape[0]]

@@ -1,0 +1,398 @@
+"""Pure tier: ``flatshard.plan`` (the planner the wrapper builds from) without a process group:
+the units of every policy, where tied parameters go, the peak memory estimate, and the same
+refusals as the wrapper.
+
+The unit trees and error texts expected here are the ones tests/test_auto_wrap.py and
+tests/test_errors.py assert for the real wrapper on the rank pool, so the pure tier checks the
+planner against what the wrapper builds.
+"""
+
+import functools
+
+import torch
+from expecttest import TestCase
+from torch import nn
+
+import flatshard
+from flatshard import BackwardPrefetch, ShardingStrategy
+from flatshard.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    _or_policy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from tests._models import Layer, sample_transformer
+
+
+def _is_sequential(module):
+    return isinstance(module, nn.Sequential)
+
+
+def _is_embedding(module):
+    return isinstance(module, nn.Embedding)
+
+
+def _layers_zero2(module):
+    return {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP} if isinstance(module, Layer) else False
+
+
+POLICIES = {  # the policies of tests/test_auto_wrap.py
+    "always": lambda: always_wrap_policy,
+    "size_based_100": lambda: functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+    "transformer": lambda: functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Layer}),
+    "lambda": lambda: functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_sequential),
+    "or": lambda: functools.partial(
+        _or_policy,
+        policies=[
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Layer}),
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_embedding),
+        ],
+    ),
+    "module_wrap": lambda: ModuleWrapPolicy({Layer}),
+    "custom": lambda: CustomPolicy(_layers_zero2),
+}
+
+
+def plan(model, policy=None, world_size=2, **options):
+    return flatshard.plan(model, policy, world_size=world_size, print_table=False, **options)
+
+
+def tree(planned) -> str:
+    """The plan in the format of ``tests._models.unit_tree`` (which renders a wrapped model)."""
+    lines = []
+    for u in planned.units:
+        groups = ", ".join(
+            f"{str(g.dtype).replace('torch.', '')}{'' if g.requires_grad else ' frozen'} {g.params}p/{g.numel}"
+            for g in u.groups
+        )
+        strategy = "" if u.sharding_strategy is ShardingStrategy.FULL_SHARD else f" {u.sharding_strategy.name}"
+        lines.append(f"{u.name or '<root>'}: {u.module_type} [{groups or 'no parameters'}]{strategy}")
+    return "\n".join(lines)
+
+
+def meta_transformer(**options):
+    with torch.device("meta"):
+        return sample_transformer(**options)
+
+
+class PolicyPlanTest(TestCase):
+    """Each policy's plan is the unit tree tests/test_auto_wrap.py::PolicyTreeTest builds."""
+
+    def policy_tree(self, name, **model_options):
+        return tree(plan(meta_transformer(**model_options), POLICIES[name]()))
+
+    def test_always_wrap_policy(self):
+        self.assertExpectedInline(self.policy_tree("always"), """\
+<root>: SampleTransformer [float32 1p/104]
+embed: Embedding [no parameters]
+layers: ModuleList [no parameters]
+layers.0: Layer [no parameters]
+layers.0.ln1: LayerNorm [float32 2p/16]
+layers.0.attn: Attention [no parameters]
+layers.0.attn.q: Linear [float32 2p/72]
+layers.0.attn.k: Linear [float32 1p/64]
+layers.0.attn.v: Linear [float32 2p/72]
+layers.0.attn.o: Linear [float32 2p/72]
+layers.0.ln2: LayerNorm [float32 2p/16]
+layers.0.mlp: Sequential [no parameters]
+layers.0.mlp.0: Linear [float32 2p/144]
+layers.0.mlp.1: GELU [no parameters]
+layers.0.mlp.2: Linear [float32 2p/136]
+layers.1: Layer [no parameters]
+layers.1.ln1: LayerNorm [float32 2p/16]
+layers.1.attn: Attention [no parameters]
+layers.1.attn.q: Linear [float32 2p/72]
+layers.1.attn.k: Linear [float32 1p/64]
+layers.1.attn.v: Linear [float32 2p/72]
+layers.1.attn.o: Linear [float32 2p/72]
+layers.1.ln2: LayerNorm [float32 2p/16]
+layers.1.mlp: Sequential [no parameters]
+layers.1.mlp.0: Linear [float32 2p/144]
+layers.1.mlp.1: GELU [no parameters]
+layers.1.mlp.2: Linear [float32 2p/136]
+ln: LayerNorm [float32 2p/16]
+head: Linear [no parameters]""")
+
+    def test_size_based_policy_places_the_tied_embedding_in_the_root(self):
+        self.assertExpectedInline(self.policy_tree("size_based_100"), """\
+<root>: SampleTransformer [float32 11p/184]
+embed: Embedding [no parameters]
+layers.0.attn: Attention [float32 7p/280]
+layers.0.mlp.0: Linear [float32 2p/144]
+layers.0.mlp.2: Linear [float32 2p/136]
+layers.1.attn: Attention [float32 7p/280]
+layers.1.mlp.0: Linear [float32 2p/144]
+layers.1.mlp.2: Linear [float32 2p/136]
+head: Linear [no parameters]""")
+
+    def test_transformer_and_module_wrap_policies(self):
+        expected = """\
+<root>: SampleTransformer [float32 3p/120]
+layers.0: Layer [float32 15p/592]
+layers.1: Layer [float32 15p/592]"""
+        self.assertEqual(self.policy_tree("transformer"), expected)
+        self.assertEqual(self.policy_tree("module_wrap"), expected)
+
+    def test_lambda_policy(self):
+        self.assertExpectedInline(self.policy_tree("lambda"), """\
+<root>: SampleTransformer [float32 25p/744]
+layers.0.mlp: Sequential [float32 4p/280]
+layers.1.mlp: Sequential [float32 4p/280]""")
+
+    def test_or_policy(self):
+        self.assertExpectedInline(self.policy_tree("or"), """\
+<root>: SampleTransformer [float32 3p/120]
+embed: Embedding [no parameters]
+layers.0: Layer [float32 15p/592]
+layers.1: Layer [float32 15p/592]""")
+
+    def test_custom_policy_with_per_unit_overrides(self):
+        self.assertExpectedInline(self.policy_tree("custom"), """\
+<root>: SampleTransformer [float32 3p/120]
+layers.0: Layer [float32 15p/592] SHARD_GRAD_OP
+layers.1: Layer [float32 15p/592] SHARD_GRAD_OP""")
+
+    def test_frozen_and_mixed_dtype_parameters_get_one_flat_parameter_per_group(self):
+        self.assertExpectedInline(self.policy_tree("transformer", frozen_attention=True, float64_gain=True), """\
+<root>: SampleTransformer [float32 3p/120]
+layers.0: Layer [float64 1p/8, float32 8p/312, float32 frozen 7p/280]
+layers.1: Layer [float64 1p/8, float32 8p/312, float32 frozen 7p/280]""")
+
+    def test_no_policy_is_one_unit_and_the_model_is_not_modified(self):
+        model = sample_transformer()
+        before = [(n, id(m)) for n, m in model.named_modules()] + [(n, id(p)) for n, p in model.named_parameters()]
+        self.assertEqual(tree(plan(model)), "<root>: SampleTransformer [float32 33p/1304]")
+        plan(model, POLICIES["always"]())
+        after = [(n, id(m)) for n, m in model.named_modules()] + [(n, id(p)) for n, p in model.named_parameters()]
+        self.assertEqual(after, before)
+
+    def test_ignored_modules_are_left_out(self):
+        model = meta_transformer()
+        planned = plan(model, POLICIES["transformer"](), ignored_modules=[model.layers[1]])
+        self.assertExpectedInline(tree(planned), """\
+<root>: SampleTransformer [float32 3p/120]
+layers.0: Layer [float32 15p/592]""")
+
+    def test_shard_sizes_per_group(self):
+        planned = plan(meta_transformer(frozen_attention=True, float64_gain=True), POLICIES["transformer"](), world_size=3)
+        layer = planned.units[1]
+        self.assertEqual(
+            [(str(g.dtype), g.requires_grad, g.numel, g.padded_numel, g.shard_numel) for g in layer.groups],
+            [("torch.float64", True, 8, 9, 3), ("torch.float32", True, 312, 312, 104), ("torch.float32", False, 280, 282, 94)],
+        )
+        self.assertEqual((layer.full_bytes, layer.shard_bytes), (9 * 8 + 312 * 4 + 282 * 4, 3 * 8 + 104 * 4 + 94 * 4))
+        self.assertEqual((layer.trainable_full_bytes, layer.trainable_shard_bytes), (9 * 8 + 312 * 4, 3 * 8 + 104 * 4))
+
+
+class Toy(nn.Module):
+    """scale (3 elements) on the root, a: Linear(4, 4) (20), b: Linear(4, 2) (10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+        self.lin = nn.Linear(4, 4)
+
+
+class Nested(nn.Module):
+    """scale (3) on the root; outer: w (6) around outer.lin: Linear(4, 4) (20)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.outer = Outer()
+
+
+LINEARS = ModuleWrapPolicy({nn.Linear})
+
+
+class MemoryEstimateTest(TestCase):
+    """[Note: peak estimate] worked by hand. Toy at world size 2 (float32): root 3 elements
+    padded to 4 (16 B gathered, 8 B per rank), a 20 (80 B, 40 B), b 10 (40 B, 20 B)."""
+
+    def memory(self, model, policy, world_size=2, **options):
+        return dict(plan(model, policy, world_size, **options).memory())
+
+    def test_full_shard(self):
+        self.assertEqual(
+            self.memory(Toy(), LINEARS),
+            # gathered: the root (kept) + a (the largest unit computing) + b (prefetched)
+            {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 16 + 80 + 40, "unsharded gradient": 80},
+        )
+        self.assertEqual(plan(Toy(), LINEARS).peak_bytes, 68 + 68 + 136 + 80)
+
+    def test_prefetch_adds_the_second_largest_unit(self):
+        without = self.memory(Toy(), LINEARS, backward_prefetch=None)
+        self.assertEqual(without["gathered parameters"], 16 + 80)
+        forward = self.memory(Toy(), LINEARS, backward_prefetch=None, forward_prefetch=True)
+        self.assertEqual(forward["gathered parameters"], 16 + 80 + 40)
+        post = self.memory(Toy(), LINEARS, backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+        self.assertEqual(post["gathered parameters"], 16 + 80 + 40)
+
+    def test_shard_grad_op_keeps_every_unit_gathered(self):
+        memory = self.memory(Toy(), LINEARS, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, backward_prefetch=None)
+        self.assertEqual(memory["gathered parameters"], 16 + 80 + 40)
+        self.assertEqual(memory["parameter shards"], 68)
+
+    def test_no_shard_and_one_rank_keep_everything_whole(self):
+        whole = {"parameter shards": 12 + 80 + 40, "gradient shards": 132, "gathered parameters": 0, "unsharded gradient": 0}
+        self.assertEqual(self.memory(Toy(), LINEARS, sharding_strategy=ShardingStrategy.NO_SHARD), whole)
+        self.assertEqual(self.memory(Toy(), LINEARS, world_size=1), whole)
+
+    def test_frozen_units_have_no_gradient(self):
+        model = Toy()
+        model.b.requires_grad_(False)
+        memory = self.memory(model, LINEARS)
+        self.assertEqual((memory["gradient shards"], memory["unsharded gradient"]), (8 + 40, 80))
+
+    def test_enclosing_units_stay_gathered_around_the_computing_unit(self):
+        # outer: 6 elements (24 B gathered, 12 B per rank); outer.lin: 20 (80 B, 40 B). While
+        # outer.lin computes, outer is gathered too (104 B); outer is prefetched (24 B).
+        memory = self.memory(Nested(), ModuleWrapPolicy({Outer, nn.Linear}))
+        self.assertEqual(
+            memory,
+            {"parameter shards": 8 + 12 + 40, "gradient shards": 60, "gathered parameters": 16 + 104 + 24, "unsharded gradient": 80},
+        )
+
+
+class Twin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2, bias=False)
+        self.b = nn.Linear(2, 2, bias=False)
+        self.b.weight = self.a.weight
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 2)
+        self.twin = Twin()
+        self.head = nn.Linear(2, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class TiesTest(TestCase):
+    """A tied parameter goes to the lowest unit containing all its users, never to a container
+    (see [Note: tied parameters in a plan])."""
+
+    def test_sibling_units_share_through_their_common_ancestor(self):
+        planned = plan(TiedLM(), ModuleWrapPolicy({nn.Embedding, nn.Linear}))
+        self.assertExpectedInline(tree(planned), """\
+<root>: TiedLM [float32 2p/14]
+embed: Embedding [no parameters]
+twin.a: Linear [no parameters]
+twin.b: Linear [no parameters]
+head: Linear [no parameters]""")
+        # twin is no unit here, so the root is also the lowest unit around twin.a and twin.b
+        self.assertEqual(
+            [(u.name, u.tied) for u in planned.units if u.tied],
+            [("", (("embed.weight", "head.weight"), ("twin.a.weight", "twin.b.weight")))],
+        )
+
+    def test_a_tie_inside_one_unit_stays_there(self):
+        planned = plan(TiedLM(), ModuleWrapPolicy({Twin}))
+        self.assertEqual(tree(planned), "<root>: TiedLM [float32 1p/10]\ntwin: Twin [float32 1p/4]")
+        self.assertEqual({u.name: u.tied for u in planned.units if u.tied}, {
+            "": (("embed.weight", "head.weight"),),
+            "twin": (("twin.a.weight", "twin.b.weight"),),
+        })
+
+    def test_a_tie_between_a_unit_and_a_unit_inside_it_goes_to_the_outer_one(self):
+        model = Nested()
+        model.outer.w = model.outer.lin.weight
+        planned = plan(model, ModuleWrapPolicy({Outer, nn.Linear}))
+        self.assertExpectedInline(tree(planned), """\
+<root>: Nested [float32 1p/3]
+outer: Outer [float32 1p/16]
+outer.lin: Linear [float32 1p/4]""")
+        self.assertEqual(planned.units[1].tied, (("outer.w", "outer.lin.weight"),))
+
+    def test_a_tie_whose_common_unit_is_a_container_goes_above_it(self):
+        model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        model[0][1].weight = model[0][0].weight
+        planned = plan(model, always_wrap_policy)
+        self.assertExpectedInline(tree(planned), """\
+<root>: Sequential [float32 1p/4]
+0: ModuleList [no parameters]
+0.0: Linear [float32 1p/2]
+0.1: Linear [float32 1p/2]""")
+        self.assertEqual(planned.units[0].tied, (("0.0.weight", "0.1.weight"),))
+
+    def test_a_module_reachable_by_two_paths_is_one_unit(self):
+        model = nn.Module()
+        model.first = model.second = nn.Linear(2, 2)
+        planned = plan(model, LINEARS)
+        self.assertEqual(tree(planned), "<root>: Module [no parameters]\nfirst: Linear [float32 2p/6]")
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+
+
+def _override_ignored(module):
+    return {"ignored_modules": [module]} if isinstance(module, nn.Linear) else False
+
+
+class RefusalTest(TestCase):
+    """The plan refuses what the wrapper refuses, with the texts tests/test_errors.py::ErrorTest
+    asserts for the wrapper."""
+
+    def error(self, call):
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        self.fail("nothing raised")
+
+    def test_bad_world_size(self):
+        for bad in (0, -1, 2.0, None):
+            self.assertEqual(self.error(lambda: plan(Pair(), world_size=bad)), f"ValueError: world_size must be a positive int; got {bad!r}")
+
+    def test_same_texts_as_the_wrapper(self):
+        def integer_param():
+            module = Pair()
+            module.a.steps = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+            plan(module)
+
+        def ignored_root():
+            module = Pair()
+            plan(module, ignored_modules=[module])
+
+        self.assertExpectedInline(
+            "\n".join(
+                self.error(call)
+                for call in (
+                    integer_param,
+                    lambda: plan(Pair(), 42),
+                    lambda: plan(Pair(), CustomPolicy(_override_ignored)),
+                    lambda: plan(Pair(), sharding_strategy="FULL_SHARD"),
+                    lambda: plan(Pair(), backward_prefetch="BACKWARD_PRE"),
+                    lambda: plan(Pair(), ignored_modules=[], ignored_states=[]),
+                    ignored_root,
+                    lambda: plan(Pair(), ignored_states=[3]),
+                )
+            ),
+            """\
+TypeError: parameter 'a.steps' has dtype torch.int64; ShardedDataParallel shards floating-point parameters only (register integer or boolean state as a buffer)
+TypeError: auto_wrap_policy must be a callable policy (such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})), a ModuleWrapPolicy or a CustomPolicy; got an object of type int
+ValueError: the auto-wrap policy cannot override 'ignored_modules' for one unit (module 'a' (Linear))
+TypeError: sharding_strategy must be one of ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD, ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2 or None; got 'FULL_SHARD'
+TypeError: backward_prefetch must be one of BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST or None; got 'BACKWARD_PRE'
+ValueError: pass either ignored_modules or ignored_states, not both
+ValueError: the module being wrapped cannot itself be ignored
+TypeError: ignored_states must hold nn.Parameters or nn.Modules; got int""",
+        )
