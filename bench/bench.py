@@ -96,6 +96,8 @@ def _loopback_bytes() -> int:
 
 
 def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any], out: str) -> None:
+    if options.get("flatshard_path"):  # another checkout's flatshard (--baseline)
+        sys.path.insert(0, options["flatshard_path"])
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     example = _example()
@@ -190,7 +192,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2, help="each implementation runs once per round, order alternating")
     p.add_argument("--variants", default="flatshard,fsdp1,fsdp2,ddp", help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--baseline", metavar="DIR",
+        help="also run 'flatshard (baseline)': the flatshard package of another checkout (e.g. a git worktree "
+        "of an earlier commit), side by side with this one",
+    )
     args = p.parse_args()
+    if args.baseline:
+        VARIANTS["flatshard (baseline)"] = ("flatshard", {"flatshard_path": os.path.abspath(args.baseline)})
+        args.variants += ",flatshard (baseline)"
     cfg = {k: getattr(args, k) for k in ("layers", "dim", "heads", "batch", "seq", "vocab", "world_size", "threads", "warmup", "steps")}
     labels = [v.strip() for v in args.variants.split(",")]
     collected: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
