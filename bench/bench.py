@@ -82,6 +82,7 @@ def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str,
         sharding_strategy=ShardingStrategy[options.get("sharding_strategy", "FULL_SHARD")],
         backward_prefetch=None if prefetch == "None" else BackwardPrefetch[prefetch],
         forward_prefetch=options.get("forward_prefetch", False),
+        use_orig_params=options.get("use_orig_params", False),
         device_id=torch.device("cpu"),
     )
 
@@ -175,6 +176,8 @@ VARIANTS = {
     "flatshard forward_prefetch": ("flatshard", {"forward_prefetch": True}),
     "flatshard bf16": ("flatshard", {"mixed_precision": "bf16"}),
     "fsdp1 bf16": ("fsdp1", {"mixed_precision": "bf16"}),
+    "flatshard use_orig_params": ("flatshard", {"use_orig_params": True}),
+    "fsdp1 use_orig_params": ("fsdp1", {"use_orig_params": True}),
 }
 
 

@@ -106,9 +106,11 @@ def _gradients(units: List[Unit], module: nn.Module) -> Tuple[_Grads, _Grads]:
     group = units[0].group
     sharded: _Grads = []
     whole: _Grads = []
-    for param in module.parameters():
-        handle = handles.get(id(param))
-        grad = param.grad
+    # Originals kept as views of a shard (use_orig_params) count through their handle's shard gradient.
+    viewed = {id(p) for h in handles.values() if h.orig is not None for p in h.orig.params}
+    flat_grads = [(h, h.flat_grad()) for h in handles.values()]
+    others = [(None, p.grad) for p in module.parameters() if id(p) not in handles and id(p) not in viewed]
+    for handle, grad in flat_grads + others:
         if grad is None:
             continue
         grad = grad.detach()

@@ -9,7 +9,7 @@ Errors name parameters and modules relative to the module being wrapped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -82,10 +82,11 @@ def build_unit(
     handles = [
         FlatParamHandle(
             members, module, device, group, sharded, _attr_name(i), options.sync_module_states, replicate_group,
-            config.offload_params, precision,
+            config.offload_params, precision, config.use_orig_params,
         )
         for i, members in enumerate(group_params(params))
     ]
+    _check_same_mode(config, nested, name)
     mesh = options.device_mesh
     unit = Unit(
         handles, config, group, device, replicate_group, _cast_buffers(config, buffers),
@@ -93,6 +94,18 @@ def build_unit(
     )
     unit.adopt(nested)
     return unit
+
+
+def _check_same_mode(config: UnitConfig, nested: Sequence[Tuple[str, Unit]], name: str) -> None:
+    """Every unit of a model keeps original parameters or none does (an optimizer steps one
+    kind of parameter; state dicts and optimizer state are converted one way)."""
+    for inner_name, inner in nested:
+        if inner.config.use_orig_params != config.use_orig_params:
+            raise ValueError(
+                f"use_orig_params must be the same for every unit of a model: the unit at "
+                f"'{join_name(name, inner_name) or '(root)'}' was built with use_orig_params={inner.config.use_orig_params}, "
+                f"the unit wrapping it{f' at {name!r}' if name else ''} with use_orig_params={config.use_orig_params}"
+            )
 
 
 def _precision(config: UnitConfig, module: nn.Module) -> Tuple[UnitConfig, Optional[Precision]]:
@@ -179,9 +192,9 @@ def check_options(o: ConstructionOptions) -> UnitConfig:
         value = getattr(o, name)
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool; got {value!r}")
-    if o.use_orig_params:
-        raise NotImplementedError(f"use_orig_params=True {_LATER}")
-    return UnitConfig(strategy, prefetch, o.forward_prefetch, o.limit_all_gathers, offload_params, mp)
+    if o.use_orig_params and mp is not None and mp.keep_low_precision_grads:
+        raise NotImplementedError("mixed_precision=MixedPrecision(keep_low_precision_grads=True) with use_orig_params=True is not supported")
+    return UnitConfig(strategy, prefetch, o.forward_prefetch, o.limit_all_gathers, offload_params, mp, use_orig_params=o.use_orig_params)
 
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)

@@ -72,4 +72,4 @@ class ConstructionOptions:
 OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ConstructionOptions))
 
 # Options that hold for the whole plan: a policy cannot set them for one unit.
-NOT_PER_UNIT: Tuple[str, ...] = ("auto_wrap_policy", "ignored_modules", "ignored_states")
+NOT_PER_UNIT: Tuple[str, ...] = ("auto_wrap_policy", "ignored_modules", "ignored_states", "use_orig_params")

@@ -115,8 +115,14 @@ class StaleOptimizerCheck:
 
 
 def _holds_flat_params(unit: Unit, groups: List[Dict[str, Any]]) -> bool:
-    flat = {id(h.flat_param) for member in [unit] + [u for _, u in unit.descendants] for h in member.handles}
-    return any(id(p) in flat for group in groups for p in group["params"])
+    """Whether the optimizer steps parameters of the model's handles (their ``FlatParameter``s,
+    or with ``use_orig_params`` their original parameters)."""
+    stepped = set()
+    for member in [unit] + [u for _, u in unit.descendants]:
+        for handle in member.handles:
+            stepped.add(id(handle.flat_param))
+            stepped.update(id(p) for p, _ in handle.originals())
+    return any(id(p) in stepped for group in groups for p in group["params"])
 
 
 def _unchanged(seen: _Seen, groups: List[Dict[str, Any]]) -> bool:
@@ -137,7 +143,7 @@ def _stale_params(unit: Unit, groups: List[Dict[str, Any]]) -> List[str]:
     for member in [unit] + [u for _, u in unit.descendants]:
         prefix = member.name  # its path from the outermost wrapper ("" for that one)
         for handle in member.handles:
-            for param, name in handle.originals():
+            for param, name in handle.emptied_originals():
                 names[id(param)] = (param, f"{prefix}.{name}" if prefix else name)
     found = []
     for group in groups:

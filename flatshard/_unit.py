@@ -43,6 +43,9 @@ class UnitConfig:
     # A module class MixedPrecision keeps in full precision (BatchNorm): the unit computes in
     # its parameters' dtype, casting its inputs to it and its outputs back.
     full_precision: bool = False
+    # Original parameters stay registered, as views of the shards (see [Note: original
+    # parameters] in ``_orig_params``).
+    use_orig_params: bool = False
 
     def describe(self) -> str:
         prefetch = self.backward_prefetch.name if self.backward_prefetch else "None"

@@ -25,6 +25,7 @@ from torch import nn
 
 from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, guard_transition, storage_bytes
+from ._orig_params import OrigParams
 from ._placeholder import ParamPlaceholder
 
 __all__ = ["FlatParameter", "FlatParamHandle", "storage_key_of", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "OrigParam", "Precision"]
@@ -146,6 +147,9 @@ class FlatParamHandle:
         offload: keep the shard and its gradient on the CPU (a no-op on CPU devices).
         precision: mixed precision (see [Note: mixed precision]); ``None``: compute, reduce and
             keep gradients in the parameters' dtype.
+        use_orig_params: keep the original parameters registered, as views of the shard (see
+            [Note: original parameters] in ``_orig_params``); the ``FlatParameter`` is then
+            not registered on ``owner`` (the optimizer steps the originals).
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class FlatParamHandle:
         replicate_group: Optional[ProcessGroup] = None,
         offload: bool = False,
         precision: Optional["Precision"] = None,
+        use_orig_params: bool = False,
     ) -> None:
         if not params:
             raise AssertionError("a FlatParamHandle needs at least one parameter")
@@ -179,9 +184,10 @@ class FlatParamHandle:
         self.compute_dtype = precision.param_dtype or self.dtype
         self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
         self.grad_dtype = self.compute_dtype if precision.keep_low_precision_grads else self.dtype
-        # Whether the full flat tensor is a tensor of its own (sharded, or computing in another
-        # dtype) rather than the FlatParameter itself.
-        self.separate_full = self.sharded or self.compute_dtype != self.dtype
+        # Whether the full flat tensor is a tensor of its own (sharded, computing in another
+        # dtype, or original parameters, which must be the modules' attributes outside compute)
+        # rather than the FlatParameter itself.
+        self.separate_full = self.sharded or self.compute_dtype != self.dtype or use_orig_params
         primaries, self.param_infos, self.shared_param_infos, slots = _layout(params)
         self.numel = sum(info.numel for info in self.param_infos)
         self.padded_numel, self.shard_numel = shard_sizes(self.numel, self.world_size, self.sharded)
@@ -197,9 +203,17 @@ class FlatParamHandle:
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
         self._full_data = self._full.data
-        self._placeholders = [
+        self._placeholders = [] if use_orig_params else [
             ParamPlaceholder(info.name, info.shape, self.dtype, requires_grad) for info in self.param_infos
         ]
+        # use_orig_params: the original parameters, views of the shard (None otherwise).
+        self.orig: Optional[OrigParams] = None
+        if use_orig_params:
+            ranges: List[Optional[Tuple[int, int]]] = [None] * len(self.param_infos)
+            for held in self.shard_param_infos:
+                ranges[held.index] = (held.shard_offset, held.numel)
+            shapes = None if self.sharded else [info.shape for info in self.param_infos]
+            self.orig = OrigParams([p.param for p in primaries], ranges, slots, shapes)
         # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
         # backward. See [Note: no_sync and zero_grad].
         self._held_grad: Optional[Tuple["weakref.ref[torch.Tensor]", int]] = None
@@ -212,10 +226,13 @@ class FlatParamHandle:
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
         self.param_order = _param_order(params)
-        for p in params:
-            p.module._parameters.pop(p.attr_name, None)
-        _empty_originals(primaries)
-        owner.register_parameter(attr_name, self.flat_param)
+        if self.orig is not None:
+            self.orig.show_shard(self.flat_param.detach())
+        else:
+            for p in params:
+                p.module._parameters.pop(p.attr_name, None)
+            _empty_originals(primaries)
+            owner.register_parameter(attr_name, self.flat_param)
         if self.separate_full:
             self.reshard()
         else:
@@ -233,7 +250,7 @@ class FlatParamHandle:
             flat_param = FlatParameter(full, requires_grad)
             if not self.separate_full:
                 return flat_param, flat_param
-            return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
+            return flat_param, full.to(self.compute_dtype, copy=True).requires_grad_(requires_grad)
         start = self.rank * self.shard_numel
         shard = full[start : start + self.shard_numel]
         flat_param = FlatParameter(shard.to("cpu", copy=True) if self.offload else shard.clone(), requires_grad)
@@ -245,8 +262,8 @@ class FlatParamHandle:
     def requires_grad(self) -> bool:
         """Whether this handle's parameters train: the ``FlatParameter``'s own flag, which the
         user may change at any time (staged fine-tuning); see [Note: requires_grad follows
-        the FlatParameter]."""
-        return self.flat_param.requires_grad
+        the FlatParameter]. With original parameters: whether any of them requires grad."""
+        return self.orig.requires_grad if self.orig is not None else self.flat_param.requires_grad
 
     def sync_requires_grad(self) -> None:
         """[Note: requires_grad follows the FlatParameter] Users freeze and unfreeze through
@@ -254,7 +271,9 @@ class FlatParamHandle:
         modules compute with (and autograd accumulates into) is a tensor of its own when
         sharded, so before each use it takes the ``FlatParameter``'s flag: a frozen handle gets
         no gradient (and so no reduction), an unfrozen one trains again."""
-        flag = self.flat_param.requires_grad
+        flag = self.requires_grad
+        if self.orig is not None and self.flat_param.requires_grad != flag:
+            self.flat_param.requires_grad_(flag)  # (not the user's: it follows the originals)
         if self._full is not self.flat_param and self._full.requires_grad != flag:
             self._full.requires_grad_(flag)
         if self._placeholders and self._placeholders[0].requires_grad != flag:
@@ -263,8 +282,13 @@ class FlatParamHandle:
                     placeholder.requires_grad_(flag)
 
     def originals(self) -> List[Tuple[nn.Parameter, str]]:
-        """The original parameter objects this handle flattened (now emptied), with names."""
+        """The original parameter objects this handle flattened, with names (emptied, unless
+        they are kept as views: ``use_orig_params``)."""
         return list(self._originals)
+
+    def emptied_originals(self) -> List[Tuple[nn.Parameter, str]]:
+        """The original parameters emptied by flattening (none with ``use_orig_params``)."""
+        return [] if self.orig is not None else list(self._originals)
 
     def set_name_prefix(self, prefix: str) -> None:
         """Name the placeholders as the user does, from the root (``prefix`` is this unit's
@@ -372,12 +396,22 @@ class FlatParamHandle:
         self.sync_requires_grad()
         with torch.set_grad_enabled(track_grad and self.requires_grad):
             chunks = self._full.split(self._split_sizes)
-            views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
+            if self.orig is not None:
+                views = self.orig.compute_views(chunks, [info.shape for info in self.param_infos], track_grad)
+            else:
+                views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
+        if self.orig is not None:
+            self.orig.overlay(views)
+            return
         for module, attr, index in self._slots:
             module.__dict__[attr] = views[index]
 
     def drop_views(self) -> None:
-        """Replace the views on the modules by placeholders (see [Note: placeholders])."""
+        """Replace the views on the modules by placeholders (see [Note: placeholders]), or by
+        the original parameters (``use_orig_params``)."""
+        if self.orig is not None:
+            self.orig.remove_overlay()
+            return
         for module, attr, index in self._slots:
             module.__dict__[attr] = self._placeholders[index]
 
@@ -422,8 +456,8 @@ class FlatParamHandle:
         self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] write-back requested while {self.state.name}")
-        if self.sharded:
-            start = self.rank * self.shard_numel
+        if self.separate_full:  # (else the full flat tensor is the FlatParameter)
+            start = self.rank * self.shard_numel if self.sharded else 0
             with torch.no_grad():
                 self.flat_param.detach().copy_(self._full_data[start : start + self.shard_numel])
 
@@ -450,7 +484,7 @@ class FlatParamHandle:
     def gather_grad(self) -> Optional[torch.Tensor]:
         """The full (padded) flat gradient assembled from every rank's shard gradient, or
         ``None`` without one. Collective when sharded; every rank must agree on ``None``."""
-        grad = self.flat_param.grad
+        grad = self.flat_grad()
         return None if grad is None else self.gather_padded(grad.detach().to(self.device))
 
     def gather_padded(self, shard_like: torch.Tensor) -> torch.Tensor:
@@ -499,6 +533,17 @@ class FlatParamHandle:
 
     # -- gradients ------------------------------------------------------------------------
 
+    def flat_grad(self) -> Optional[torch.Tensor]:
+        """This rank's gradient of the shard as the user left it (``flat_param.grad``); with
+        original parameters, rebuilt from their ``.grad``s and handed back to them as views
+        (see [Note: original parameters] in ``_orig_params``)."""
+        if self.orig is not None:
+            grad = self.orig.flat_grad(self.flat_param.grad, self.flat_param.detach())
+            if grad is not self.flat_param.grad:
+                self.flat_param.grad = grad
+            self.orig.give_grads(grad)
+        return self.flat_param.grad
+
     def has_unreduced_grad(self) -> bool:
         """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
         return self.separate_full and self._full.grad is not None
@@ -537,10 +582,14 @@ class FlatParamHandle:
         self._full.grad = None
         grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
         pending, reduced = self._start_reduction(grad.contiguous())
+        if self.orig is not None and self.separate_full:
+            self.flat_grad()  # what the user left of the previous gradient
         placeholder = None
         if self.flat_param.grad is None:
             self._set_new_grad(torch.empty(self.flat_param.shape, dtype=self.grad_dtype, device=self._grad_device()))
             placeholder = (self.flat_param.grad, self.flat_param.grad._version)
+            if self.orig is not None:
+                self.orig.give_grads(self.flat_param.grad)
         self._reduction = _Reduction(pending, reduced, grad, placeholder)
         if not async_op:
             self.finish_reduction()
@@ -590,6 +639,8 @@ class FlatParamHandle:
             self._set_new_grad(shard_grad)
         else:
             grad.add_(shard_grad)
+        if self.orig is not None:
+            self.orig.give_grads(self.flat_param.grad)
 
     def set_comm_hook(self, hook: Callable[..., Any], state: Any) -> None:
         """Reduce gradients with ``hook(state, grad)`` (unsharded: all-reduce ``grad`` in place)
@@ -633,11 +684,17 @@ class FlatParamHandle:
             grad = self.flat_param.grad
             self._local_grad = grad is not None
             self._held_grad = (weakref.ref(grad), grad._version) if grad is not None else None
+            if self.orig is not None:
+                self.orig.give_grads(grad)
             return
         if self._full.grad is None:
             return
+        if self.orig is not None:
+            self.flat_grad()
         if self.flat_param.grad is None:
             self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.flat_param.device)
+            if self.orig is not None:
+                self.orig.give_grads(self.flat_param.grad)
         self._held_grad = (weakref.ref(self.flat_param.grad), self.flat_param.grad._version)
 
     def drop_grad_if_zeroed(self) -> None:
@@ -646,7 +703,8 @@ class FlatParamHandle:
             return
         ref, version = self._held_grad
         grad = self.flat_param.grad
-        if grad is None or ref() is not grad or grad._version != version:
+        touched = self.orig is not None and not self.orig.grads_untouched()
+        if grad is None or ref() is not grad or grad._version != version or touched:
             if self.separate_full:
                 self._full.grad = None
             self._local_grad = False

@@ -20,6 +20,15 @@ flat training keeps for a parameter that never had a gradient; for others (Adagr
 ``initial_accumulator_value``, Rprop's step sizes) it is an approximation. Step counts are
 taken as the largest; parameters of one ``FlatParameter`` must otherwise agree (same state
 names, same scalar values), or flattening raises an error naming them.
+
+[Note: optimizer state of original parameters] With ``use_orig_params`` the optimizer steps
+the original parameters, each a piece of a shard, so its state is already per parameter:
+each positional tensor is this rank's piece (1-D, possibly empty) of the parameter's full
+state, scalar state is the parameter's own. Unflattening assembles the pieces of one handle
+into one shard-shaped tensor per state name and gathers that (one collective per handle and
+name, as in the flat case); flattening gives each parameter the piece of the saved value its
+range of the shard holds. No state is shared between parameters, so nothing is zero-filled
+or taken as the largest.
 """
 
 from __future__ import annotations
@@ -57,13 +66,20 @@ class OptimStateIndex:
         self.root: Unit = named[0][1]
         self.units = [unit for _, unit in named]
         self.flat: Dict[int, Tuple[FlatParamHandle, Tuple[str, ...], Unit]] = {}
+        # use_orig_params: each original parameter -> (its handle, its index there, its name).
+        self.views: Dict[int, Tuple[FlatParamHandle, int, str]] = {}
+        self.view_handles: List[Tuple[FlatParamHandle, Tuple[str, ...], Unit]] = []
         for path, unit in named:
             for handle in unit.handles:
                 names = tuple(join_name(path, info.name) for info in handle.param_infos)
                 self.flat[id(handle.flat_param)] = (handle, names, unit)
+                if handle.orig is not None:
+                    self.view_handles.append((handle, names, unit))
+                    for i, param in enumerate(handle.orig.params):
+                        self.views[id(param)] = (handle, i, names[i])
         self.plain: Dict[int, str] = {}
         for name, param in model.named_parameters():
-            if not isinstance(param, FlatParameter):
+            if not isinstance(param, FlatParameter) and id(param) not in self.views:
                 self.plain[id(param)] = clean_name(name)
         handles = [h for unit in self.units for h in unit.handles]
         sinks = {h: [torch.empty(i.shape, dtype=h.dtype, device="meta") for i in h.param_infos] for h in handles}
@@ -76,6 +92,8 @@ class OptimStateIndex:
         """The user-facing names of what ``param`` (an optimizer parameter) holds."""
         if id(param) in self.flat:
             return self.flat[id(param)][1]
+        if id(param) in self.views:
+            return (self.views[id(param)][2],)
         if id(param) in self.plain:
             return (self.plain[id(param)],)
         raise ValueError(
@@ -170,12 +188,58 @@ def _unflatten(
     return out
 
 
+def _unflatten_views(
+    handle: FlatParamHandle,
+    names: Sequence[str],
+    unit: Unit,
+    states: Sequence[Optional[Mapping[str, Any]]],
+    keep: bool,
+    offload: bool,
+    sharded: bool,
+) -> Dict[str, Dict[str, Any]]:
+    """The state of a handle's original parameters (``states``, one per parameter, ``None``
+    without) with full positional values; see [Note: optimizer state of original parameters]."""
+    out: Dict[str, Dict[str, Any]] = {name: {} for name, s in zip(names, states) if s}
+    keys = list(dict.fromkeys(key for s in states if s for key in s))
+    for key in keys:
+        having = [(i, s[key]) for i, s in enumerate(states) if s and key in s]
+        i0, v0 = having[0]
+        if _kind(key, v0, tuple(handle.param_infos[i0].shape)) == "scalar":
+            for i, value in having:
+                out[names[i]][key] = _copy(value, offload) if keep else None
+            continue
+        shard = torch.zeros(handle.flat_param.shape, dtype=v0.dtype, device=handle.device)
+        for held in handle.shard_param_infos:
+            value = states[held.index][key] if states[held.index] and key in states[held.index] else None  # type: ignore[index]
+            if value is not None:
+                shard[held.shard_offset : held.shard_offset + held.numel].copy_(value.detach().reshape(-1))
+        full = handle.gather_padded(shard)
+        if not keep:
+            continue
+        parts = handle.split_full(full)
+        for i, _ in having:
+            out[names[i]][key] = as_dtensor(parts[i], unit, offload) if sharded else _copy(parts[i], offload)
+    return out
+
+
+def _piece(handle: FlatParamHandle, index: int, full: torch.Tensor) -> torch.Tensor:
+    """The part of original parameter ``index``'s full value (e.g. a state tensor) that this
+    rank's shard holds, shaped like the parameter (see [Note: original parameters])."""
+    flat = full.detach().reshape(-1).to(handle.flat_param.device)
+    if not handle.sharded:
+        return flat.clone().view(handle.param_infos[index].shape)
+    for held in handle.shard_param_infos:
+        if held.index == index:
+            return flat[held.param_offset : held.param_offset + held.numel].clone()
+    return flat[:0].clone()
+
+
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
     gathering it (one collective; see [Note: load agreement] in ``_checkpointing``)."""
     mine = []
     for param, state in zip(params, states):
-        if id(param) in index.flat:
+        if id(param) in index.flat or id(param) in index.views:
             keys = sorted((state or {}).keys())
             mine.append(f"{index.names_of(param)[0]}: {', '.join(keys) if state else 'no state'}")
     root = index.root
@@ -205,9 +269,14 @@ def gather_optim_state(
     _check_layouts_agree(index, params, states)
     keep = not rank0_only or index.root.rank == 0
     state: Dict[str, Dict[str, Any]] = {}
+    by_param = {id(p): s for p, s in zip(params, states) if s}
+    for handle, names, unit in index.view_handles:  # (the same order on every rank)
+        states_here = [by_param.get(id(p)) for p in handle.orig.params]  # type: ignore[union-attr]
+        if any(states_here):
+            state.update(_unflatten_views(handle, names, unit, states_here, keep, offload, sharded))
     for param, flat_state in zip(params, states):
         names = index.names_of(param)
-        if not flat_state:
+        if not flat_state or id(param) in index.views:
             continue
         if id(param) in index.flat:
             handle, _, unit = index.flat[id(param)]
@@ -442,7 +511,14 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
         if plan is None:
             continue
         names = index.names_of(param)
-        if id(param) in index.flat:
+        if id(param) in index.views:
+            handle, number, _ = index.views[id(param)]
+            comm = handle.comm
+            state[pid] = {
+                key: _copy(extra, False) if kind == "scalar" else _piece(handle, number, full_value(osd["state"][names[0]][key], comm)).to(extra)
+                for key, kind, extra in plan
+            }
+        elif id(param) in index.flat:
             handle = index.flat[id(param)][0]
             state[pid] = {
                 key: _copy(extra, False) if kind == "scalar" else _shard_of(handle, names, key, extra, osd["state"])
@@ -485,6 +561,12 @@ def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], targ
                 entry[key] = _copy(extra, False)
             elif id(param) in index.flat:
                 entry[key] = _scatter_flat(index.flat[id(param)][0], names, key, extra, osd)
+            elif id(param) in index.views:
+                handle, number, name = index.views[id(param)]
+                shape = index.shapes[name]
+                value = osd["state"][name][key].to(handle.device) if root.rank == 0 else torch.empty(shape, dtype=extra, device=handle.device)  # type: ignore[index]
+                root.comm.broadcast_from_first(value)
+                entry[key] = _piece(handle, number, value)
             else:
                 value = osd["state"][names[0]][key].to(param.device) if root.rank == 0 else torch.empty(param.shape, dtype=extra, device=param.device)  # type: ignore[index]
                 root.comm.broadcast_from_first(value)

@@ -81,7 +81,10 @@ class ShardedDataParallel(nn.Module):
         forward_prefetch: issue the next unit's all-gather (by the first iteration's order)
             before this unit's forward computes.
         limit_all_gathers: bound the units gathered ahead of their use (by prefetches) to two.
-        use_orig_params: ``False`` (``True``: not supported yet).
+        use_orig_params: keep the model's own ``nn.Parameter``s registered under their names
+            (as views of this rank's shard outside compute), so that an optimizer can be built
+            from ``named_parameters()`` with per-parameter groups, and parameters can be frozen
+            one by one. ``False``: the model's parameters are its ``FlatParameter``s.
         ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
         device_mesh: a 1-D ``DeviceMesh`` instead of ``process_group`` (2-D, (replicate,
             shard), for hybrid sharding).
@@ -335,8 +338,8 @@ class ShardedDataParallel(nn.Module):
             yield
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
-        """As ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the
-        unwrapped model's (the summoned full parameters, without wrapper prefixes), as in FSDP1."""
+        """As ``nn.Module.named_parameters``; with ``use_orig_params``, and inside
+        ``summon_full_params``, the names are the unwrapped model's (without wrapper prefixes)."""
         return self._plain_names(super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:  # type: ignore[override]
@@ -345,7 +348,8 @@ class ShardedDataParallel(nn.Module):
         return self._plain_names(super().named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate))
 
     def _plain_names(self, named: Iterator[Tuple[str, Any]]) -> Iterator[Tuple[str, Any]]:
-        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+        # With original parameters the names are always the user's (FSDP1 keeps its prefixes).
+        if self._unit.training_state is not TrainingState.SUMMON_FULL_PARAMS and not self._unit.config.use_orig_params:
             return named
         return ((clean_name(name), value) for name, value in named)
 

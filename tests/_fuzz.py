@@ -58,6 +58,7 @@ FEATURES: Dict[str, str] = {
     "comm_hook": "the default communication hook registered explicitly",
     "fresh_osd": "a state-dict round trip before the first optimizer step (NEW-A)",
     "accumulate": "steps without zero_grad (gradients accumulate onto the previous step's)",
+    "orig": "use_orig_params=True (the optimizer steps the original parameters)",
 }
 KNOWN = {"aux": "1", "nosync_absent": "2", "hybrid1": "3", "toggle": "4", "meta": "5", "fail": "6", "metric": "7", "osd_rank0": "8", "fresh_osd": "NEW-A"}
 ALL = frozenset(FEATURES)
@@ -87,7 +88,7 @@ class Case:
     steps: List[Dict[str, Any]]
     checkpoint: Optional[Dict[str, Any]]  # {"step", "mode", "world_size", "new_task"}
     check_every_step: bool
-    options: Dict[str, bool]  # sync_states, offload, comm_hook
+    options: Dict[str, bool]  # sync_states, offload, comm_hook, orig
 
 
 def parse_features(text: Optional[str]) -> frozenset:
@@ -139,6 +140,7 @@ def generate(seed: int, world_size: Optional[int] = None, features: Iterable[str
     for step in steps:
         step["zero_grad"] = rng.random() < 0.85
     extras = {"sync_states": rng.random() < 0.25, "offload": rng.random() < 0.2, "comm_hook": rng.random() < 0.2}
+    extras["orig"] = rng.random() < 0.5  # (drawn last: the other draws of a seed stay as they were)
     case = Case(seed, ws, (), spec, wrap, strategy, hybrid, prefetch, fwd, limit, meta, optim, set_to_none, per_rank, steps, checkpoint, every, extras)
     return restrict(case, features)
 

@@ -274,6 +274,8 @@ class ShardedRun(Run):
             opts["param_init_fn"] = _init_fn
         if case.options["offload"]:
             opts["cpu_offload"] = CPUOffload(offload_params=True)
+        if case.options.get("orig"):
+            opts["use_orig_params"] = True
         if case.options["sync_states"]:
             opts["sync_module_states"] = True
             if self.rank != 0:  # only rank 0's values may survive
@@ -310,6 +312,13 @@ class ShardedRun(Run):
                 for h in unit.handles
             ]
         units = [sorted(n for m in FSDP.fsdp_modules(u) for g in groups_of[id(m)] for n in g) for u in FSDP.fsdp_modules(self.model)]
+        if self.case.options.get("orig"):
+            # The unit's parameters are the originals in its subtree: a tie partner owned by an
+            # enclosing unit is the same object, so toggling the unit toggles it too.
+            units = [
+                sorted(join_name(prefixes[id(u)], clean_name(n)) for n, _ in u.named_parameters(remove_duplicate=False))
+                for u in FSDP.fsdp_modules(self.model)
+            ]
         return units, [g for u in FSDP.fsdp_modules(self.model) for g in groups_of[id(u)]]
 
     def data(self, step: int, index: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:

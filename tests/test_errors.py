@@ -112,7 +112,9 @@ CASES = {
     "ignored_wrapper": lambda: _ignored_wrapper(),
     "ignored_states_type": _option(ignored_states=[3]),
     "param_init_fn_type": _option(param_init_fn=3),
-    "use_orig_params": _option(use_orig_params=True),
+    "orig_low_precision_grads": _option(
+        use_orig_params=True, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    ),
 }
 
 
@@ -222,7 +224,7 @@ class ErrorTest(TestCase):
 
     def test_unsupported_options_raise_not_implemented_naming_the_option(self):
         expected = {
-            "use_orig_params": "use_orig_params=True is not supported yet",
+            "orig_low_precision_grads": "mixed_precision=MixedPrecision(keep_low_precision_grads=True) with use_orig_params=True is not supported",
         }
         for case, message in expected.items():
             self.assertEqual(self.error(case), f"NotImplementedError: {message}", case)

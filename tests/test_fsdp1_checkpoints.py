@@ -19,13 +19,14 @@ from tests._models import Block, batch, build, lm_loss, local
 FULL, SHARDED = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT
 
 
-def _ours(seed):
-    return ShardedDataParallel(build(seed), auto_wrap_policy=ModuleWrapPolicy({Block}))
+def _ours(seed, orig=False):
+    return ShardedDataParallel(build(seed), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig)
 
 
-def _fsdp1(seed):
+def _fsdp1(seed, orig=False):
     return torch_fsdp.FullyShardedDataParallel(
-        build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+        use_orig_params=orig,
     )
 
 
@@ -60,7 +61,7 @@ def _load_full(model, state):
         return model.load_state_dict(state)
 
 
-def _exchange(rank, world_size, directory):
+def _exchange(rank, world_size, directory, orig=False):
     """For each direction and form: save with one implementation, load into a fresh model of
     the other, and compare the loaded model's full state dict with the saved model's."""
     warnings.filterwarnings("ignore")  # FSDP1's deprecation warnings
@@ -68,13 +69,13 @@ def _exchange(rank, world_size, directory):
     makers = {"flatshard": _ours, "fsdp1": _fsdp1}
     for source_name, target_name in (("fsdp1", "flatshard"), ("flatshard", "fsdp1")):
         for form in ("full", "sharded"):
-            source = _trained(makers[source_name](0), rank, world_size)
+            source = _trained(makers[source_name](0, orig), rank, world_size)
             expected = {k: v.clone() for k, v in _full(source).items()}
-            target = makers[target_name](1)
+            target = makers[target_name](1, orig)
             if form == "full":
                 _load_full(target, _full(source))
             else:
-                path = os.path.join(directory, f"{source_name}-{form}")
+                path = os.path.join(directory, f"{source_name}-{form}-{orig}")
                 with _sharded_type(source):
                     dcp.save(source.state_dict(), checkpoint_id=path)
                 with _sharded_type(target):
@@ -98,6 +99,22 @@ class Fsdp1CheckpointTest(TestCase):
         directory = tempfile.mkdtemp(prefix="flatshard-fsdp1-")
         self.addCleanup(shutil.rmtree, directory, True)
         results = self.pool.run(_exchange, 2, directory)
+        for rank_results in results:
+            self.assertEqual(
+                rank_results,
+                {
+                    "fsdp1 -> flatshard (full)": [],
+                    "fsdp1 -> flatshard (sharded)": [],
+                    "flatshard -> fsdp1 (full)": [],
+                    "flatshard -> fsdp1 (sharded)": [],
+                },
+            )
+
+    def test_checkpoints_with_original_parameters_load_across_implementations(self):
+        """Both sides with use_orig_params=True."""
+        directory = tempfile.mkdtemp(prefix="flatshard-fsdp1-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        results = self.pool.run(_exchange, 2, directory, True)
         for rank_results in results:
             self.assertEqual(
                 rank_results,

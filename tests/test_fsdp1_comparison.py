@@ -156,6 +156,40 @@ def _parameter_names(rank: int, world_size: int) -> List[List[str]]:
         return [[n for n, _ in m.named_parameters()] for m in (ours, theirs)]
 
 
+def _orig_params_behaviour(rank: int, world_size: int) -> Dict[str, Any]:
+    """use_orig_params=True under FSDP1 and flatshard: the names ``named_parameters()`` gives,
+    whether Adam's two moments differ in the full optimizer state dict (they do in the
+    optimizer), and the gradient elements this rank holds when each block's ``fc1`` is frozen
+    (a fine-tuning case: frozen and trainable parameters in every unit)."""
+    warnings.filterwarnings("ignore")
+    out: Dict[str, Any] = {}
+    for kind in ("flatshard", "fsdp1"):
+        cls = models.ShardedDataParallel if kind == "flatshard" else _Fsdp1
+        plain = build()
+        for block in plain.blocks:
+            block.fc1.requires_grad_(False)
+        with mock.patch.object(models, "ShardedDataParallel", cls):
+            model = models.wrap(plain, "nested", use_orig_params=True)
+        optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        tokens, targets = batch(0, world_size)
+        lm_loss(model(local(tokens, rank)), local(targets, rank)).backward()
+        optim.step()
+        osd = cls.full_optim_state_dict(model, optim, rank0_only=False)
+        state = osd["state"]["blocks.0.fc2.weight"]
+        if kind == "flatshard":
+            flat = [h.flat_param for m in cls.fsdp_modules(model) for h in m.handles]
+        else:
+            flat = [m._handle.flat_param for m in cls.fsdp_modules(model) if m._handle is not None]
+        out[kind] = {
+            "first name": next(n for n, _ in model.named_parameters()),
+            "moments differ": not torch.equal(state["exp_avg"], state["exp_avg_sq"]),
+            "gradient elements": sum(f.grad.numel() for f in flat if f.grad is not None),
+        }
+    trainable = sum(p.numel() for p in build().parameters()) - sum(b.fc1.weight.numel() + b.fc1.bias.numel() for b in build().blocks)
+    out["trainable elements / world size"] = trainable / world_size
+    return out
+
+
 def _frozen_and_trainable_in_one_unit(rank: int, world_size: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -174,6 +208,22 @@ class NamesTest(TestCase):
         ours, theirs = self.pool.run(_parameter_names, 2)[0]
         self.assertEqual(ours, theirs)
         self.assertEqual(ours[0], "_fsdp_wrapped_module._flat_param")
+
+
+class OrigParamsTest(TestCase):
+    def test_fsdp1_with_use_orig_params_prefixes_names_and_loses_a_moment(self) -> None:
+        # flatshard: tests/test_orig_params.py (names, frozen memory),
+        # tests/test_optim_state.py::OptimStateTest::test_resume_with_original_parameters
+        result = self.pool.run(_orig_params_behaviour, 2)[0]
+        ours, theirs = result["flatshard"], result["fsdp1"]
+        self.assertEqual(
+            (ours["first name"], ours["moments differ"], theirs["first name"], theirs["moments differ"]),
+            ("embed.weight", True, "_fsdp_wrapped_module.embed.weight", False),
+        )
+        # flatshard holds gradients for the trainable parameters only (plus padding); FSDP1 for
+        # every parameter of a unit with any trainable one
+        self.assertLessEqual(ours["gradient elements"], result["trainable elements / world size"] + 8)
+        self.assertGreater(theirs["gradient elements"], 1.5 * ours["gradient elements"])
 
 
 class TiesTest(TestCase):

@@ -33,8 +33,8 @@ K = 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _wrapped(seed=0, **options):
-    return ShardedDataParallel(build(seed, **options), auto_wrap_policy=ModuleWrapPolicy({Block}))
+def _wrapped(seed=0, orig=False, **options):
+    return ShardedDataParallel(build(seed, **options), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig)
 
 
 def _groups(named):
@@ -82,11 +82,11 @@ def _assert_full_osd(actual, expected, where):
         raise AssertionError(f"{where}: param groups {actual['param_groups']} vs {expected['param_groups']}")
 
 
-def _save(rank, world_size, directory):
+def _save(rank, world_size, directory, orig=False):
     """Train K steps with every optimizer, compare the full optimizer state with the plain
-    optimizer's, and save model + optimizer in both forms."""
+    optimizer's, and save model + optimizer in both forms (``orig``: use_orig_params)."""
     for name in OPTIMIZERS:
-        model = _wrapped()
+        model = _wrapped(orig=orig)
         optim = OPTIMIZERS[name](_groups(model.named_parameters()))
         for step in range(K):
             _step(model, optim, step, rank, world_size)
@@ -108,12 +108,12 @@ def _save(rank, world_size, directory):
     return True
 
 
-def _resume(rank, world_size, directory, saved_at):
+def _resume(rank, world_size, directory, saved_at, orig=False):
     """Load each checkpoint into a fresh model and optimizer, train K more steps: the same
     weights as 2K uninterrupted single-process steps."""
     for name in OPTIMIZERS:
         for form in FORMS:
-            model = _wrapped(seed=7)
+            model = _wrapped(seed=7, orig=orig)
             optim = OPTIMIZERS[name](_groups(model.named_parameters()))
             if form == "full":
                 checkpoint = torch.load(os.path.join(directory, f"{name}-full-{saved_at}.pt"), weights_only=False) if rank == 0 else None
@@ -282,20 +282,23 @@ def _split_group(rank, world_size):
     return "no error"
 
 
-def _fsdp1(seed):
+def _fsdp1(seed, orig=False):
     return torch_fsdp.FullyShardedDataParallel(
-        build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        build(seed), auto_wrap_policy=torch_fsdp.wrap.ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+        use_orig_params=orig,
     )
 
 
-def _fsdp1_interchange(rank, world_size):
+def _fsdp1_interchange(rank, world_size, orig=False):
     """Full optimizer state dicts of torch FSDP1 load into flatshard and vice versa; both
     continue like uninterrupted single-process training (AdamW, two groups)."""
     warnings.filterwarnings("ignore")
     make = OPTIMIZERS["AdamW"]
     results = []
-    for source_kind in ("fsdp1", "flatshard"):
-        source = _fsdp1(0) if source_kind == "fsdp1" else _wrapped(0)
+    # (With use_orig_params=True, torch FSDP1's full optimizer state dicts on CPU hold
+    # exp_avg_sq's values under exp_avg as well, so only flatshard -> FSDP1 can be checked.)
+    for source_kind in ("fsdp1", "flatshard") if not orig else ("flatshard",):
+        source = _fsdp1(0, orig) if source_kind == "fsdp1" else _wrapped(0, orig)
         source_optim = make(_groups(source.named_parameters()))
         for step in range(K):
             _step(source, source_optim, step, rank, world_size)
@@ -304,14 +307,14 @@ def _fsdp1_interchange(rank, world_size):
             with torch_fsdp.FullyShardedDataParallel.state_dict_type(source, torch_fsdp.StateDictType.FULL_STATE_DICT, config):
                 model_state = source.state_dict()
             osd = torch_fsdp.FullyShardedDataParallel.full_optim_state_dict(source, source_optim, rank0_only=False)
-            target = _wrapped(4)
+            target = _wrapped(4, orig)
             target_optim = make(_groups(target.named_parameters()))
             target.load_state_dict(model_state)
             target_optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(osd, target, optim=target_optim))
         else:
             model_state = source.state_dict()
             osd = ShardedDataParallel.full_optim_state_dict(source, source_optim, rank0_only=False)
-            target = _fsdp1(4)
+            target = _fsdp1(4, orig)
             target_optim = make(_groups(target.named_parameters()))
             config = torch_fsdp.FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
             with torch_fsdp.FullyShardedDataParallel.state_dict_type(target, torch_fsdp.StateDictType.FULL_STATE_DICT, config):
@@ -401,6 +404,22 @@ class OptimStateTest(TestCase):
             with self.subTest(saved_at=saved_at, world_size=world_size):
                 self.pool.run(_resume, world_size, self.directory, saved_at)
 
+    def test_resume_with_original_parameters(self):
+        """use_orig_params=True: saved at 2 ranks, resumed at 2 and 3 (optimizer state per
+        original parameter, each a piece of a shard); saved at 3, resumed at 1."""
+        self.pool.run(_save, 2, self.directory, True)
+        self.pool.run(_save, 3, self.directory, True)
+        for saved_at, world_size in ((2, 2), (2, 3), (3, 1)):
+            with self.subTest(saved_at=saved_at, world_size=world_size):
+                self.pool.run(_resume, world_size, self.directory, saved_at, True)
+
+    def test_resume_across_modes(self):
+        """Checkpoints saved without original parameters load with them and vice versa."""
+        self.pool.run(_save, 2, self.directory, False)
+        self.pool.run(_resume, 3, self.directory, 2, True)
+        self.pool.run(_save, 2, self.directory, True)
+        self.pool.run(_resume, 2, self.directory, 2, False)
+
     def test_plain_optimizer_state_interchange_and_zero_fill(self):
         named, back = self.pool.run(_plain_interchange, 2)[0]
         self.assertNotIn("unused_param", named)  # the plain optimizer never stepped it
@@ -409,6 +428,10 @@ class OptimStateTest(TestCase):
     def test_fsdp1_full_optimizer_state_dicts_interchange(self):
         results = self.pool.run(_fsdp1_interchange, 2)
         self.assertEqual(results[0], ["fsdp1: 21 parameters with state", "flatshard: 21 parameters with state"])
+
+    def test_fsdp1_full_optimizer_state_dicts_interchange_with_original_parameters(self):
+        results = self.pool.run(_fsdp1_interchange, 2, True)
+        self.assertEqual(results[0], ["flatshard: 21 parameters with state"])
 
     def test_rank0_full_dict_holds_at_most_one_units_state_beyond_the_output(self):
         (peak0, output0, largest), (peak1, output1, _) = self.pool.run(_memory, 2)
