@@ -33,12 +33,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from ._compile import dynamo_loaded, outside_graph
 from ._collectives import all_gather_object, differences, fingerprint, item_at
 from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
@@ -72,6 +73,60 @@ def lazy_init(unit: Unit) -> "RootRuntime":
         member.bind(runtime)
         runtime.hook_new_trainables(member)
     return runtime
+
+
+# What ``run_forward`` is given, under torch.compile, to make a callable opaque to dynamo.
+Opaque = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], opaque: Optional[Opaque] = None) -> Any:
+    """The wrapper's forward: start (gather, views, guard), run the wrapped module, finish
+    (free or hook for backward); abandon if anything raises.
+
+    [Note: torch.compile] Dynamo must not trace the runtime: it resizes storages, issues
+    collectives, changes unit and handle states and registers hooks, none of which belongs in
+    a graph (inductor cannot lower a storage resize, and a traced state change that a failed
+    compile never applies leaves the unit stuck). Torch's FSDP1 gets this for free (dynamo
+    skips torch.distributed's files); flatshard asks for it: when dynamo traces a wrapper's
+    forward, the wrapper calls this function through ``torch.compiler.disable(...,
+    recursive=False)``, so this frame runs eagerly while the frames it calls are compiled,
+    and passes ``opaque=torch.compiler.disable``, which keeps start, finish and abandon (and
+    everything they call) out of dynamo. So only the wrapped module's own code is compiled,
+    with a graph break at each unit's boundary, and an exception from it (a compile error
+    included) reaches the ``except`` here. The autograd hooks and callbacks the runtime
+    registers are opaque too once dynamo is loaded (``_compile``): a compiled function that
+    calls ``backward()`` runs them with dynamo's frame hook installed. flatshard itself never
+    imports dynamo (it costs a second, and warns without NumPy).
+    """
+    start = start_forward if opaque is None else opaque(start_forward)
+    step = start(unit, args, kwargs)
+    try:
+        output = module(*step.args, **step.kwargs)
+    except BaseException:
+        abandon = step.runtime.abandon_forward if opaque is None else opaque(step.runtime.abandon_forward)
+        abandon(step)
+        raise
+    finish = step.runtime.finish_forward if opaque is None else opaque(step.runtime.finish_forward)
+    return finish(step, output)
+
+
+def start_forward(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "UnitForward":
+    return lazy_init(unit).start_forward(unit, args, kwargs)
+
+
+class UnitForward:
+    """One unit's forward in progress: its (cast) inputs, the dtype its outputs go back to,
+    and the saved-tensor guard installed around the wrapped module."""
+
+    __slots__ = ("runtime", "unit", "args", "kwargs", "input_dtype", "saved")
+
+    def __init__(self, runtime: "RootRuntime", unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], input_dtype: Optional[torch.dtype]) -> None:
+        self.runtime = runtime
+        self.unit = unit
+        self.args = args
+        self.kwargs = kwargs
+        self.input_dtype = input_dtype
+        self.saved = contextlib.ExitStack()
 
 
 def settle(ctx: Optional[RootContext]) -> None:
@@ -125,6 +180,17 @@ class RootRuntime(RootContext):
     def __init__(self, root: Unit) -> None:
         super().__init__(root)
         self.saved_guard = SavedParamGuard(self.freeable, functools.partial(_gather_saved, weakref.ref(self)))
+        self._make_hooks()
+
+    def _make_hooks(self) -> None:
+        """The callables registered with autograd, made once: opaque to dynamo if it is loaded
+        (see ``_compile``); if it is loaded later, the next root forward makes them again and
+        registers the gradient-accumulation hooks (registered once) again."""
+        self.hooks_outside_graph = dynamo_loaded()
+        self.on_output_grad = outside_graph(self.pre_backward_hook)
+        self.on_inputs_done = outside_graph(self.inputs_done)
+        self.on_backward_end = outside_graph(self.finalize_backward)
+        self.on_accumulated = outside_graph(_post_accumulate)
 
     # -- tracing (tests) ----------------------------------------------------------------------
 
@@ -139,27 +205,45 @@ class RootRuntime(RootContext):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def run_forward(self, unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        """The wrapper's forward: gather, run the wrapped module, free or hook for backward."""
+    def start_forward(self, unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "UnitForward":
+        """The wrapper's forward up to running the wrapped module: gather, put the views on the
+        modules, install the saved-tensor guard. Leaves nothing half done if it raises."""
         if unit.is_root:
             self._root_pre_forward()
             if unit.device.type != "cpu":
                 args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
         args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
-        self._pre_forward(unit, (args, kwargs))
+        step = UnitForward(self, unit, args, kwargs, input_dtype)
         try:
-            with self._guard_saved():
-                output = module(*args, **kwargs)
+            self._pre_forward(unit, (args, kwargs))
+            step.saved.enter_context(self._guard_saved())
         except BaseException:
-            if unit.training_state is _FORWARD:
-                unit.move((_FORWARD,), _IDLE)  # the forward is abandoned; let the next one start
+            self.abandon_forward(step)
             raise
-        if input_dtype is not None:  # a full-precision unit hands back the dtype it was given
-            output = map_tensors(lambda t: t.to(input_dtype) if t.is_floating_point() else t, output)
+        return step
+
+    def finish_forward(self, step: "UnitForward", output: Any) -> Any:
+        """The wrapper's forward after the wrapped module returned: free or hook for backward."""
+        step.saved.close()
+        unit = step.unit
+        if step.input_dtype is not None:  # a full-precision unit hands back the dtype it was given
+            dtype = step.input_dtype
+            output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
         self._post_forward(unit, output)
         if unit.is_root:
             self._root_post_forward()
         return output
+
+    def abandon_forward(self, step: "UnitForward") -> None:
+        """[Note: a forward that raised] The wrapped module (or a compiler compiling it) raised:
+        the saved-tensor guard comes off and the unit goes back to IDLE, so the next forward
+        starts as usual. Units it left gathered are refreshed by that forward (see [Note: stale
+        gathers] in ``flat_param``), as after a forward whose backward never ran; outputs of
+        units that finished are garbage and their hooks never fire. Every rank must raise alike
+        (the forward's collectives stop there)."""
+        step.saved.close()
+        if step.unit.training_state is _FORWARD:
+            step.unit.move((_FORWARD,), _IDLE)
 
     def _guard_saved(self) -> Any:
         """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
@@ -172,6 +256,8 @@ class RootRuntime(RootContext):
         if _in_backward():
             return
         self.settle()
+        if not self.hooks_outside_graph and dynamo_loaded():
+            self._hook_trainables_again()
         self.gathered_in_forward.clear()
         self.exec_order.start_forward()
         self._refresh_stale()
@@ -228,7 +314,7 @@ class RootRuntime(RootContext):
                 self._free(unit)
             return
         grad_outputs = [t for t in iter_tensors(output) if t.requires_grad]
-        hook = functools.partial(self.pre_backward_hook, unit)
+        hook = functools.partial(self.on_output_grad, unit)
         for tensor in grad_outputs:
             tensor.register_hook(hook)
         if grad_outputs:
@@ -360,8 +446,17 @@ class RootRuntime(RootContext):
         for handle in unit.handles:
             handle.sync_requires_grad()
             if handle.requires_grad and handle not in unit.grad_hooks:
-                hook = functools.partial(_post_accumulate, weakref.ref(self), weakref.ref(unit), weakref.ref(handle))
+                hook = functools.partial(self.on_accumulated, weakref.ref(self), weakref.ref(unit), weakref.ref(handle))
                 unit.grad_hooks[handle] = handle.grad_leaf.register_post_accumulate_grad_hook(hook)
+
+    def _hook_trainables_again(self) -> None:
+        """Register every gradient-accumulation hook again, now opaque to dynamo."""
+        self._make_hooks()
+        for unit in self.units:
+            for hook in unit.grad_hooks.values():
+                hook.remove()  # type: ignore[attr-defined]
+            unit.grad_hooks.clear()
+            self.hook_new_trainables(unit)
 
     def _hook_inputs_for_frozen_handles(self, unit: Unit, inputs: Any) -> None:
         """Frozen handles get no gradient to signal the end of their backward; the gradients of
@@ -369,7 +464,7 @@ class RootRuntime(RootContext):
         tensors = [t for t in iter_tensors(inputs) if t.requires_grad]
         if tensors:
             unit.open_input_hooks += 1
-            register_multi_grad_hook(tensors, functools.partial(self.inputs_done, unit))
+            register_multi_grad_hook(tensors, functools.partial(self.on_inputs_done, unit))
 
     def pre_backward_hook(self, unit: Unit, grad: torch.Tensor) -> None:
         """Hook on a forward output of ``unit``: its backward is about to run."""
@@ -495,7 +590,7 @@ class RootRuntime(RootContext):
     def _queue_finalizer(self) -> None:
         if self.backward_state is BackwardState.IDLE:
             self.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
-            Variable._execution_engine.queue_callback(self.finalize_backward)
+            Variable._execution_engine.queue_callback(self.on_backward_end)
             self._check_backward_agrees()
 
     def finalize_backward(self, failed: bool = False) -> None:

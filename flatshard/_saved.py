@@ -26,6 +26,7 @@ from typing import Any, Callable, Container, Iterator, Optional, Tuple
 
 import torch
 
+from ._compile import outside_graph
 from .flat_param import storage_key_of
 
 _Hooks = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -107,4 +108,4 @@ class SavedParamGuard:
                 )
             return value
 
-        return pack, unpack
+        return outside_graph(pack), outside_graph(unpack)

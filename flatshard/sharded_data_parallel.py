@@ -15,7 +15,7 @@ from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, dis
 from ._init import build_unit
 from ._options import ConstructionOptions
 from ._planning import make_plan, unit_options
-from ._runtime import lazy_init, no_sync
+from ._runtime import no_sync, run_forward
 from ._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._state_dict import (
     get_settings,
@@ -204,9 +204,15 @@ class ShardedDataParallel(nn.Module):
     # -- running ------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            return forward_while_summoned(self._unit, self._fsdp_wrapped_module, args, kwargs)
-        return lazy_init(self._unit).run_forward(self._unit, self._fsdp_wrapped_module, args, kwargs)
+        # Dynamo traces this method when the model is compiled: see [Note: torch.compile] in _runtime.
+        unit, module = self._unit, self._fsdp_wrapped_module
+        compiling = torch.compiler.is_compiling()
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            summoned = torch.compiler.disable(forward_while_summoned) if compiling else forward_while_summoned
+            return summoned(unit, module, args, kwargs)
+        if compiling:
+            return torch.compiler.disable(run_forward, recursive=False)(unit, module, args, kwargs, torch.compiler.disable)
+        return run_forward(unit, module, args, kwargs)
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
