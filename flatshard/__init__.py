@@ -38,6 +38,16 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+from . import state_dict
+from .state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 # ``wrap`` and ``plan`` are the submodules (FSDP1's ``wrap`` is a module), callable like their
 # functions; importing the functions here would shadow them. See [Note: callable modules].
@@ -85,4 +95,12 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "state_dict",
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
 ]
