@@ -57,7 +57,7 @@ class TripBlock(Block):
         return x + self.fc2(hidden)
 
 
-def _wrapped(strategy: str, how: str = "none", backend: Any = "aot_eager", trip: bool = False) -> Tuple[ShardedDataParallel, Any]:
+def _wrapped(strategy: str, how: str = "none", backend: Any = "aot_eager", trip: bool = False, orig: bool = False) -> Tuple[ShardedDataParallel, Any]:
     """``build()``'s model with a unit per block (the root holds the tied embedding and
     head), and what to call it through: compiled as ``how`` says, or the model itself.
     ``trip``: the middle block (of three) is a ``TripBlock`` with the same parameters."""
@@ -69,7 +69,9 @@ def _wrapped(strategy: str, how: str = "none", backend: Any = "aot_eager", trip:
     if how == "blocks":
         for block in model.blocks:
             block.compile(backend=backend)
-    wrapped = ShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy])
+    wrapped = ShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], use_orig_params=orig
+    )
     if how == "torch.compile":
         return wrapped, torch.compile(wrapped, backend=backend)
     if how == "module.compile":
@@ -113,10 +115,10 @@ def _fresh_dynamo() -> Any:
 # -- rank functions ---------------------------------------------------------------------------
 
 
-def _compiled_parity(rank: int, world_size: int, how: str, strategy: str, backend: str) -> bool:
+def _compiled_parity(rank: int, world_size: int, how: str, strategy: str, backend: str, orig: bool = False) -> bool:
     reference = train_reference(world_size, steps=STEPS)
     with _fresh_dynamo():
-        model, run = _wrapped(strategy, how, backend)
+        model, run = _wrapped(strategy, how, backend, orig=orig)
         compiled_step = torch.compile(_forward_backward, backend=backend) if how == "step" else _forward_backward
         optim = make_optim(model.parameters())
         losses = [_step(run, optim, step, rank, world_size, compiled_step) for step in range(STEPS)]
@@ -124,13 +126,13 @@ def _compiled_parity(rank: int, world_size: int, how: str, strategy: str, backen
     return True
 
 
-def _raise_then_train(rank: int, world_size: int, strategy: str, how: str) -> List[bool]:
+def _raise_then_train(rank: int, world_size: int, strategy: str, how: str, orig: bool = False) -> List[bool]:
     """Before step 0 (the model's first forward) and before step 1 a forward raises in the
     middle unit; training goes on. Returns whether every unit was IDLE after each raise."""
     reference = train_reference(world_size, steps=STEPS)
     idle: List[bool] = []
     with _fresh_dynamo() if how != "none" else contextlib.nullcontext():
-        model, run = _wrapped(strategy, how, trip=True)
+        model, run = _wrapped(strategy, how, trip=True, orig=orig)
         middle = model.module.blocks[1].module
         optim = make_optim(model.parameters())
         losses = []
@@ -204,6 +206,14 @@ class CompileTest(TestCase):
         if reason is not None:
             self.skipTest(reason)
         self.assertEqual(self.pool.run(_compiled_parity, 2, "torch.compile", "FULL_SHARD", "inductor"), [True, True])
+
+    def test_compiled_model_with_original_parameters(self) -> None:
+        for how, backend in (("torch.compile", "aot_eager"), ("blocks", "aot_eager")) + (
+            (("torch.compile", "inductor"),) if _inductor_unavailable() is None else ()
+        ):
+            with self.subTest(how=how, backend=backend):
+                self.assertEqual(self.pool.run(_compiled_parity, 2, how, "FULL_SHARD", backend, True), [True, True])
+        self.assertEqual(self.pool.run(_raise_then_train, 2, "FULL_SHARD", "torch.compile", True), [[True, True]] * 2)
 
 
 class ForwardExceptionTest(TestCase):

@@ -42,8 +42,8 @@ FULL = StateDictOptions(full_state_dict=True)
 SHARDED = StateDictOptions()
 
 
-def _wrapped(seed=0):
-    return ShardedDataParallel(build(seed), auto_wrap_policy=ModuleWrapPolicy({Block}))
+def _wrapped(seed=0, orig=False):
+    return ShardedDataParallel(build(seed), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig)
 
 
 def _groups(named):
@@ -78,8 +78,8 @@ def _reference(steps):
     return plain, optim
 
 
-def _trained(rank, world_size, seed=0):
-    model = _wrapped(seed)
+def _trained(rank, world_size, seed=0, orig=False):
+    model = _wrapped(seed, orig)
     optim = _adamw(model)
     for step in range(K):
         _step(model, [optim], step, rank, world_size)
@@ -120,8 +120,8 @@ def _assert_params(model, plain, where):
 # -- the same dicts as torch's functions on the unwrapped model -----------------------------
 
 
-def _same_as_torch(rank, world_size):
-    model, optim = _trained(rank, world_size)
+def _same_as_torch(rank, world_size, orig=False):
+    model, optim = _trained(rank, world_size, orig=orig)
     plain, plain_optim = _reference(K)
     expected_model = torch_sd.get_model_state_dict(plain, options=FULL)
     expected_optim = torch_sd.get_optimizer_state_dict(plain, plain_optim, options=FULL)
@@ -170,17 +170,17 @@ def _frozen_and_submodules(rank, world_size):
 # -- sharded checkpoints with torch.distributed.checkpoint ----------------------------------
 
 
-def _save_sharded(rank, world_size, directory):
-    model, optim = _trained(rank, world_size)
+def _save_sharded(rank, world_size, directory, orig=False):
+    model, optim = _trained(rank, world_size, orig=orig)
     model_state, optim_state = get_state_dict(model, optim)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
     return True
 
 
-def _resume_sharded(rank, world_size, directory):
+def _resume_sharded(rank, world_size, directory, orig=False):
     """A fresh model and optimizer take the checkpoint through get_state_dict's template,
     dcp.load and set_state_dict, train K more steps: as 2K uninterrupted single-process steps."""
-    model = _wrapped(seed=7)
+    model = _wrapped(seed=7, orig=orig)
     optim = _adamw(model)
     model_state, optim_state = get_state_dict(model, optim)
     if len(optim.state) != 0 or len(optim_state["state"]) != 21:
@@ -198,10 +198,10 @@ def _resume_sharded(rank, world_size, directory):
 # -- full dicts ----------------------------------------------------------------------------
 
 
-def _full_round_trips(rank, world_size):
+def _full_round_trips(rank, world_size, orig=False):
     """Full dicts (rank 0's only with cpu_offload) loaded with broadcast_from_rank0, and on
     every rank without it; the unwrapped model's dicts from torch's functions load too."""
-    model, optim = _trained(rank, world_size)
+    model, optim = _trained(rank, world_size, orig=orig)
     offload = StateDictOptions(full_state_dict=True, cpu_offload=True)
     on_rank0 = get_state_dict(model, optim, options=offload)
     everywhere = get_state_dict(model, optim, options=FULL)
@@ -214,7 +214,7 @@ def _full_round_trips(rank, world_size):
         "torch's, broadcast_from_rank0": (from_torch if rank == 0 else ({}, {}), StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)),
     }
     for where, ((model_state, optim_state), options) in sources.items():
-        target = _wrapped(seed=5)
+        target = _wrapped(seed=5, orig=orig)
         target_optim = _adamw(target)
         set_state_dict(target, target_optim, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
         for step in range(K, 2 * K):
@@ -350,6 +350,18 @@ class StateDictApiTest(TestCase):
                 self.pool.run(_save_sharded, saved_at, directory)
                 results = self.pool.run(_resume_sharded, resumed_at, directory)
                 self.assertEqual(results[0], ([], []))
+
+    def test_original_parameters(self):
+        """use_orig_params=True: the same dicts as torch's on the unwrapped model, sharded
+        checkpoints resume at another world size (also into the other mode), full round trips."""
+        kinds, exp_avg, step = self.pool.run(_same_as_torch, 2, True)[0]
+        self.assertEqual((kinds, exp_avg, step), (["DTensor", "Tensor"], "DTensor", "Tensor"))
+        for saved_orig, resumed_orig in ((True, True), (False, True), (True, False)):
+            with self.subTest(saved_orig=saved_orig, resumed_orig=resumed_orig):
+                directory = os.path.join(self.directory, f"orig-{saved_orig}-{resumed_orig}")
+                self.pool.run(_save_sharded, 2, directory, saved_orig)
+                self.assertEqual(self.pool.run(_resume_sharded, 3, directory, resumed_orig)[0], ([], []))
+        self.assertEqual(len(self.pool.run(_full_round_trips, 2, True)[0]), 4)
 
     def test_full_dicts_with_and_without_broadcast_from_rank0(self):
         self.assertEqual(len(self.pool.run(_full_round_trips, 2)[0]), 4)
