@@ -21,6 +21,7 @@ from flatshard import (
     ModuleWrapPolicy,
     ShardedDataParallel,
     ShardingStrategy,
+    StateDictType,
 )
 from tests._models import (
     ATOL,
@@ -302,6 +303,33 @@ def _optimizer_built_before_wrapping(rank: int, world_size: int) -> bool:
 
 def test_an_optimizer_built_before_wrapping_steps_the_model(rank_pool):
     assert rank_pool.run(_optimizer_built_before_wrapping, 2) == [True, True]
+
+
+def _local_state_dict_and_summoned_grads(rank: int, world_size: int) -> bool:
+    """A LOCAL_STATE_DICT round trip; summon_full_params(with_grads=True) gives the plain
+    model's gradients under the plain names."""
+    plain = build()
+    tokens, targets = batch(0, world_size)
+    lm_loss(plain(tokens), targets).backward()
+    model = wrap(build(), "nested", **ORIG)
+    lm_loss(model(local(tokens, rank)), local(targets, rank)).backward()
+    with ShardedDataParallel.summon_full_params(model, with_grads=True):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    with ShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state = model.state_dict()
+    other = wrap(build(seed=3), "nested", **ORIG)
+    with ShardedDataParallel.state_dict_type(other, StateDictType.LOCAL_STATE_DICT):
+        other.load_state_dict(state)
+    expected = full_params(model)
+    for name, value in full_params(other).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_local_state_dict_and_summoned_gradients(rank_pool):
+    assert rank_pool.run(_local_state_dict_and_summoned_grads, 3) == [True] * 3
 
 
 # -- errors -------------------------------------------------------------------------------------
