@@ -15,7 +15,6 @@ accumulates the unsharded gradient into (``grad_leaf``). Its storage is freed be
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -25,6 +24,7 @@ from torch import nn
 
 from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, guard_transition, storage_bytes
+from ._layout import OrigParam, ParamInfo, SharedParamInfo, ShardParamInfo, flatten, layout, shard_param_infos, shard_sizes
 from ._orig_params import OrigParams
 from ._placeholder import ParamPlaceholder
 
@@ -40,49 +40,6 @@ class FlatParameter(nn.Parameter):
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
         return super().__new__(cls, data, requires_grad)  # type: ignore[call-arg]
-
-
-@dataclass(frozen=True)
-class OrigParam:
-    """One registration of an original parameter in the tree of the module being wrapped."""
-
-    name: str  # e.g. "blocks.0.fc.weight", relative to the wrapped module
-    module_name: str
-    module: nn.Module
-    attr_name: str
-    param: nn.Parameter
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """Layout of one original parameter inside the (unpadded) flat tensor."""
-
-    name: str
-    module_name: str
-    attr_name: str
-    shape: torch.Size
-    numel: int
-    offset: int
-
-
-@dataclass(frozen=True)
-class SharedParamInfo:
-    """A further registration of an already flattened parameter (a tied weight)."""
-
-    name: str
-    module_name: str
-    attr_name: str
-    primary: int  # index into ``param_infos``
-
-
-@dataclass(frozen=True)
-class ShardParamInfo:
-    """The part of one original parameter that a rank's shard holds."""
-
-    index: int  # into ``param_infos``
-    param_offset: int  # first element held, counted in the flattened parameter
-    shard_offset: int  # where that element sits in the shard
-    numel: int
 
 
 @dataclass(frozen=True)
@@ -102,26 +59,6 @@ class Precision:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     keep_low_precision_grads: bool = False
-
-
-def shard_sizes(numel: int, world_size: int, sharded: bool) -> Tuple[int, int]:
-    """(padded numel, shard numel) of a flat tensor of ``numel`` elements: padded to a multiple
-    of ``world_size`` and split evenly when sharded (over more than one rank), else whole."""
-    if not sharded or world_size == 1:
-        return numel, numel
-    padded = math.ceil(numel / world_size) * world_size
-    return padded, padded // world_size
-
-
-def shard_param_infos(infos: Sequence[ParamInfo], shard_numel: int, rank: int) -> Tuple[ShardParamInfo, ...]:
-    """Which original parameters (and which of their elements) ``rank``'s shard holds."""
-    start, end = rank * shard_numel, (rank + 1) * shard_numel
-    held = []
-    for index, info in enumerate(infos):
-        lo, hi = max(start, info.offset), min(end, info.offset + info.numel)
-        if lo < hi:
-            held.append(ShardParamInfo(index, lo - info.offset, lo - start, hi - lo))
-    return tuple(held)
 
 
 class FlatParamHandle:
@@ -188,7 +125,7 @@ class FlatParamHandle:
         # dtype, or original parameters, which must be the modules' attributes outside compute)
         # rather than the FlatParameter itself.
         self.separate_full = self.sharded or self.compute_dtype != self.dtype or use_orig_params
-        primaries, self.param_infos, self.shared_param_infos, slots = _layout(params)
+        primaries, self.param_infos, self.shared_param_infos, slots = layout(params)
         self.numel = sum(info.numel for info in self.param_infos)
         self.padded_numel, self.shard_numel = shard_sizes(self.numel, self.world_size, self.sharded)
         self.shard_param_infos = shard_param_infos(self.param_infos, self.shard_numel, self.rank if self.sharded else 0)
@@ -241,7 +178,7 @@ class FlatParamHandle:
     def _make_tensors(self, params: Sequence[nn.Parameter], requires_grad: bool, sync: bool) -> Tuple[FlatParameter, torch.Tensor]:
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
         [Note: two tensors per handle])."""
-        full = _flatten(params, self.padded_numel, self.device)
+        full = flatten(params, self.padded_numel, self.device)
         if sync:  # (hybrid: first across the replicas, then within each shard group)
             if self.replicate is not None:
                 self.replicate.broadcast_from_first(full)
@@ -750,32 +687,6 @@ def _empty_originals(primaries: Sequence[OrigParam]) -> None:
             p.param.data = torch.empty(0, dtype=p.param.dtype, device=p.param.device)
 
 
-_Layout = Tuple[List[OrigParam], Tuple[ParamInfo, ...], Tuple[SharedParamInfo, ...], List[Tuple[nn.Module, str, int]]]
-
-
-def _layout(params: Sequence[OrigParam]) -> _Layout:
-    """Split registrations into primaries (first registration of each parameter object) and
-    shared ones, lay the primaries out one after another, and list every registration's
-    (module, attribute, primary index)."""
-    primaries: List[OrigParam] = []
-    index_of: Dict[int, int] = {}
-    infos: List[ParamInfo] = []
-    shared: List[SharedParamInfo] = []
-    slots: List[Tuple[nn.Module, str, int]] = []
-    offset = 0
-    for p in params:
-        index = index_of.get(id(p.param))
-        if index is not None:
-            shared.append(SharedParamInfo(p.name, p.module_name, p.attr_name, index))
-        else:
-            index = index_of[id(p.param)] = len(primaries)
-            primaries.append(p)
-            infos.append(ParamInfo(p.name, p.module_name, p.attr_name, p.param.shape, p.param.numel(), offset))
-            offset += p.param.numel()
-        slots.append((p.module, p.attr_name, index))
-    return primaries, tuple(infos), tuple(shared), slots
-
-
 def _param_order(params: Sequence[OrigParam]) -> List[Tuple[nn.Module, Tuple[str, ...]]]:
     """Each module's parameter names now, FlatParameters left out: a module flattened by
     several handles is recorded by each, and the first recording (made before anything of
@@ -786,15 +697,3 @@ def _param_order(params: Sequence[OrigParam]) -> List[Tuple[nn.Module, Tuple[str
             names = tuple(n for n, q in p.module._parameters.items() if not isinstance(q, FlatParameter))
             seen[id(p.module)] = (p.module, names)
     return list(seen.values())
-
-
-def _flatten(params: Sequence[nn.Parameter], padded_numel: int, device: torch.device) -> torch.Tensor:
-    """A new 1-D tensor on ``device``: the parameters' values one after another, zero padded."""
-    dtype = params[0].dtype
-    flat = torch.zeros(padded_numel, dtype=dtype, device=device)
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-            offset += p.numel()
-    return flat

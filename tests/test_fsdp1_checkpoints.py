@@ -95,33 +95,20 @@ def _exchange(rank, world_size, directory, orig=False):
 
 
 class Fsdp1CheckpointTest(TestCase):
-    def test_full_and_sharded_checkpoints_load_across_implementations(self):
+    def _check_exchange(self, orig):
         directory = tempfile.mkdtemp(prefix="flatshard-fsdp1-")
         self.addCleanup(shutil.rmtree, directory, True)
-        results = self.pool.run(_exchange, 2, directory)
-        for rank_results in results:
-            self.assertEqual(
-                rank_results,
-                {
-                    "fsdp1 -> flatshard (full)": [],
-                    "fsdp1 -> flatshard (sharded)": [],
-                    "flatshard -> fsdp1 (full)": [],
-                    "flatshard -> fsdp1 (sharded)": [],
-                },
-            )
+        expected = {
+            f"{source} -> {target} ({form})": []
+            for source, target in (("fsdp1", "flatshard"), ("flatshard", "fsdp1"))
+            for form in ("full", "sharded")
+        }
+        for rank_results in self.pool.run(_exchange, 2, directory, orig):
+            self.assertEqual(rank_results, expected)
+
+    def test_full_and_sharded_checkpoints_load_across_implementations(self):
+        self._check_exchange(orig=False)
 
     def test_checkpoints_with_original_parameters_load_across_implementations(self):
         """Both sides with use_orig_params=True."""
-        directory = tempfile.mkdtemp(prefix="flatshard-fsdp1-")
-        self.addCleanup(shutil.rmtree, directory, True)
-        results = self.pool.run(_exchange, 2, directory, True)
-        for rank_results in results:
-            self.assertEqual(
-                rank_results,
-                {
-                    "fsdp1 -> flatshard (full)": [],
-                    "fsdp1 -> flatshard (sharded)": [],
-                    "flatshard -> fsdp1 (full)": [],
-                    "flatshard -> fsdp1 (sharded)": [],
-                },
-            )
+        self._check_exchange(orig=True)
