@@ -331,6 +331,8 @@ class FlatParamHandle:
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
         self.sync_requires_grad()
+        if self.orig is not None:
+            self.flat_grad()  # (frees a shard gradient whose views the user dropped: zero_grad)
         with torch.set_grad_enabled(track_grad and self.requires_grad):
             chunks = self._full.split(self._split_sizes)
             if self.orig is not None:

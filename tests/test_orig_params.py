@@ -229,7 +229,13 @@ def _views(rank: int, world_size: int) -> Dict[str, Any]:
     loss = lm_loss(model(local(tokens, rank)), local(targets, rank))
     loss.backward()
     grads = {n: (p.grad is not None, p.grad is None or p.grad.shape == p.shape) for n, p in model.named_parameters()}
+    # zero_grad(set_to_none=True) drops the views; the next forward releases the shard gradients
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model(local(tokens, rank))
+    kept = [h for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles if h.flat_param.grad is not None]
     return {
+        "shard gradients kept after zero_grad": len(kept),
         "elements": total[0].item() == sum(p.numel() for p in plain.parameters()),
         "shapes inside summon": shapes_inside == {n: tuple(p.shape) for n, p in plain.named_parameters()},
         "edited": bool((summoned["blocks.1.fc2.bias"] == 0.5).all()),
@@ -242,6 +248,7 @@ def _views(rank: int, world_size: int) -> Dict[str, Any]:
 def test_parameters_are_views_of_the_shards(rank_pool):
     for result in rank_pool.run(_views, 3):
         assert result == {
+            "shard gradients kept after zero_grad": 0,
             "elements": True,
             "shapes inside summon": True,
             "edited": True,
