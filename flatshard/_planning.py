@@ -43,6 +43,9 @@ class PlannedUnit:
     params: List[OrigParam] = field(default_factory=list)  # names relative to ``module``
     slots: List[Tuple[nn.Module, str]] = field(default_factory=list)  # (parent module, attribute) to put the wrapper in
     tied: List[Tuple[str, ...]] = field(default_factory=list)  # full names of each tied parameter placed here
+    # The enclosing units of its further places, when the module is registered in several
+    # (it runs inside each of them).
+    also_in: List["PlannedUnit"] = field(default_factory=list)
 
 
 @dataclass
@@ -169,36 +172,35 @@ def _place_unit(child: nn.Module, parent: nn.Module, attr: str, path: str, enclo
         visit(child, unit, "")
     elif not any(m is parent and a == attr for m, a in unit.slots):
         unit.slots.append((parent, attr))
+        if enclosing is not unit.parent and enclosing not in unit.also_in:
+            unit.also_in.append(enclosing)
 
 
 def _assign(registrations: List[_Registration], units: List[PlannedUnit]) -> None:
     """Give each parameter (all its registrations) to the lowest unit enclosing all of them
-    (see [Note: tied parameters in a plan])."""
-    def chain(unit: Optional[PlannedUnit]) -> List[PlannedUnit]:
-        out = []
-        while unit is not None:
-            out.append(unit)
-            unit = unit.parent
-        return out[::-1]
-
+    (see [Note: tied parameters in a plan]): the deepest unit on every path from the root to
+    every registration. A unit whose module is registered in several places has a path
+    through each (it runs inside each enclosing unit)."""
     by_param: Dict[int, List[_Registration]] = {}
     for reg in registrations:
         by_param.setdefault(id(reg.param), []).append(reg)
     for regs in by_param.values():
-        common = chain(regs[0].unit)
-        for reg in regs[1:]:
-            other = chain(reg.unit)
-            n = 0
-            while n < min(len(common), len(other)) and common[n] is other[n]:
-                n += 1
-            common = common[:n]
-        owner = common[-1]
+        paths = [path for reg in regs for path in _paths(reg.unit)]
+        common = set.intersection(*({id(u) for u in path} for path in paths))
+        owner = [u for u in paths[0] if id(u) in common][-1]
         while owner.parent is not None and isinstance(owner.module, _CONTAINERS):
             owner = owner.parent
         if len({r.path for r in regs}) > 1:
             owner.tied.append(tuple(r.path for r in regs))
         for reg in regs:
             owner.params.append(OrigParam(_relative(reg.path, owner.name), _relative(reg.module_path, owner.name), reg.module, reg.attr, reg.param))
+
+
+def _paths(unit: PlannedUnit) -> List[List[PlannedUnit]]:
+    """Every chain of units from the root down to ``unit``, one per place it runs in."""
+    if unit.parent is None:
+        return [[unit]]
+    return [path + [unit] for enclosing in [unit.parent] + unit.also_in for path in _paths(enclosing)]
 
 
 def _relative(path: str, prefix: str) -> str:

@@ -329,6 +329,19 @@ outer.lin: Linear [float32 1p/4]""")
 0.1: Linear [float32 1p/2]""")
         self.assertEqual(planned.units[0].tied, (("0.0.weight", "0.1.weight"),))
 
+    def test_a_tie_with_a_module_registered_in_two_places_goes_above_both_places(self):
+        # a Linear tied to a sibling and also registered in another block runs outside the
+        # siblings' block: the tie belongs to the unit around both blocks (found by the fuzzer)
+        shared, first = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+        shared.weight = first.weight
+        model = nn.Sequential(
+            nn.Sequential(nn.Sequential(first, shared), nn.Sequential(nn.Linear(2, 2, bias=False), shared))
+        )
+        planned = plan(model, always_wrap_policy)
+        self.assertEqual([(u.name, u.tied) for u in planned.units if u.tied], [("0", (("0.0.0.weight", "0.0.1.weight"),))])
+        # (and a module registered in two places keeps its own parameters)
+        self.assertIn("0.0.1: Linear [no parameters]", tree(planned))
+
     def test_a_module_reachable_by_two_paths_is_one_unit(self):
         model = nn.Module()
         model.first = model.second = nn.Linear(2, 2)
@@ -396,3 +409,4 @@ ValueError: pass either ignored_modules or ignored_states, not both
 ValueError: the module being wrapped cannot itself be ignored
 TypeError: ignored_states must hold nn.Parameters or nn.Modules; got int""",
         )
+
