@@ -104,23 +104,29 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     example = _example()
     torch.manual_seed(0)
     model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
+    if cfg["untied"]:
+        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
     model = _wrap(impl, model, example.TransformerBlock, options)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     times: List[float] = []
     sent = 0
-    for step in range(cfg["warmup"] + cfg["steps"]):
-        if step == cfg["warmup"]:
-            dist.barrier()
-            sent = _loopback_bytes()
+
+    def one_step() -> None:
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
+
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        if step == cfg["warmup"]:
+            dist.barrier()
+            sent = _loopback_bytes()
+        dist.barrier()
+        start = time.perf_counter()
+        one_step()
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= cfg["warmup"]:
@@ -129,12 +135,30 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     sent = _loopback_bytes() - sent
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    result = {"label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world}
+    if cfg["profile"] and impl == "flatshard":
+        result["profile"] = _profile(rank, one_step, cfg, statistics.median(times), result["bytes_per_step"])
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world}, f)
+            json.dump(result, f)
     del model, optim
     gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
     dist.destroy_process_group()
+
+
+def _profile(rank: int, one_step: Any, cfg: Dict[str, Any], median: float, sent: float) -> str:
+    """Rank 0 profiles ``cfg['profile']`` more steps (the others run them unprofiled, so the
+    collectives pair up); see ``profile_step``."""
+    import profile_step
+
+    bandwidth = profile_step.loopback_bandwidth()
+    dist.barrier()
+    if rank != 0:
+        for _ in range(cfg["profile"]):
+            one_step()
+        return ""
+    profiled, parts = profile_step.profile_steps(one_step, cfg["profile"])
+    return profile_step.report(median, profiled, parts, sent, bandwidth)
 
 
 def run(label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -164,6 +188,13 @@ def table(results: Dict[str, Dict[str, Any]], reference: str = "flatshard") -> s
     return "\n".join(lines)
 
 
+# The model shapes of RESULTS.md.
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "default": {"layers": 8, "dim": 256, "heads": 4, "untied": False},
+    "untied8": {"layers": 8, "dim": 256, "heads": 8, "untied": True},
+    "wide": {"layers": 12, "dim": 512, "heads": 8, "untied": False},
+}
+
 VARIANTS = {
     "flatshard": ("flatshard", {}),
     "fsdp1": ("fsdp1", {}),
@@ -183,6 +214,9 @@ VARIANTS = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a preset model shape (overrides --layers/--dim/--heads/--untied)")
+    p.add_argument("--untied", action="store_true", help="no tied embedding/head")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps of each flatshard variant (rank 0)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -204,7 +238,11 @@ def main() -> None:
     if args.baseline:
         VARIANTS["flatshard (baseline)"] = ("flatshard", {"flatshard_path": os.path.abspath(args.baseline)})
         args.variants += ",flatshard (baseline)"
-    cfg = {k: getattr(args, k) for k in ("layers", "dim", "heads", "batch", "seq", "vocab", "world_size", "threads", "warmup", "steps")}
+    if args.shape:
+        for key, value in SHAPES[args.shape].items():
+            setattr(args, key, value)
+    keys = ("layers", "dim", "heads", "untied", "batch", "seq", "vocab", "world_size", "threads", "warmup", "steps", "profile")
+    cfg = {k: getattr(args, k) for k in keys}
     labels = [v.strip() for v in args.variants.split(",")]
     collected: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
     for round_index in range(args.rounds):
@@ -224,6 +262,10 @@ def main() -> None:
     command = "python bench/bench.py " + " ".join(sys.argv[1:])
     print(f"\n{command}\n{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, config {cfg}\n")
     print(table(results, labels[0]))
+    for label, runs in collected.items():
+        for r in runs[-1:]:
+            if r.get("profile"):
+                print(f"\n### {label}: where a step goes\n\n{r['profile']}")
 
 
 if __name__ == "__main__":
