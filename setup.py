@@ -8,6 +8,9 @@ EXTRAS_REQUIRE = {
     # torch does not install it.
     "checkpoint": ["numpy"],
     "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
+    # Hugging Face models (tests/test_hf.py, examples/finetune_hf.py). transformers does not
+    # require torch, so it never replaces the torch build already installed.
+    "hf": ["transformers>=5.0"],
 }
 
 setup(

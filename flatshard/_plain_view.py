@@ -22,7 +22,7 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
-from ._unit import unit_of
+from ._unit import IN_PLAIN_VIEW, unit_of
 from ._common import WRAPPED_MODULE
 from .flat_param import FlatParamHandle
 
@@ -39,8 +39,23 @@ def plain_view(root: nn.Module, handles: Sequence[FlatParamHandle], values: Valu
     nested wrapper replaced by its module and the original parameters of ``handles``
     installed (see [Note: plain view])."""
     modules = list(root.modules())
-    with swap_wrappers(modules, root), install_params(modules, handles, values):
+    with swap_wrappers(modules, root), install_params(modules, handles, values), _marked_in_view(modules):
         yield root._modules[WRAPPED_MODULE] if unit_of(root) is not None else root  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _marked_in_view(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Tell the wrapped modules' state-dict hooks that their ``state_dict()`` is the plain
+    view's (see [Note: the wrapped module's state dict] in ``_module_state_dict``)."""
+    units = [unit for unit in (unit_of(m) for m in modules) if unit is not None]
+    previous = [unit.state_dict_route for unit in units]
+    for unit in units:
+        unit.state_dict_route = IN_PLAIN_VIEW
+    try:
+        yield
+    finally:
+        for unit, route in zip(units, previous):
+            unit.state_dict_route = route
 
 
 @contextlib.contextmanager

@@ -120,6 +120,10 @@ class Unit:
         self.cast_buffers: List[Tuple[Any, str, torch.dtype]] = list(cast_buffers)
         # A test's recorder of what the root does (set on the root, see ``set_trace``).
         self.tracer: Optional[Tracer] = None
+        # Whose state dict the wrapped module's ``state_dict()`` is part of right now:
+        # ``None`` (a caller outside the wrapper), ``IN_PLAIN_VIEW`` or ``ROUTED`` (see
+        # [Note: the wrapped module's state dict] in ``_module_state_dict``).
+        self.state_dict_route: Optional[str] = None
 
     @property
     def group(self) -> ProcessGroup:
@@ -230,6 +234,10 @@ class RootContext:
 
 
 UNIT_ATTR = "_unit"  # where a wrapper keeps its unit
+
+# Values of ``Unit.state_dict_route``.
+IN_PLAIN_VIEW = "in the wrapper's plain view"
+ROUTED = "routed to the wrapper"
 
 
 def unit_of(module: Any) -> Optional[Unit]:

@@ -12,7 +12,9 @@ from torch import nn
 from ._clip import clip_grad_norm_
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
+from ._generate import generate_gathered
 from ._init import build_unit
+from ._module_state_dict import route_state_dict, skips_in_tree_walk
 from ._options import ConstructionOptions
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
@@ -118,6 +120,7 @@ class ShardedDataParallel(nn.Module):
             options = options.for_unit({})  # the root unit's own options: planned, so without the policy
         self._unit = build_unit(module, options, owned)
         self._fsdp_wrapped_module = module
+        route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
         # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 
@@ -128,6 +131,7 @@ class ShardedDataParallel(nn.Module):
         nn.Module.__init__(wrapper)
         wrapper._unit = build_unit(module, options, owned, name)
         wrapper._fsdp_wrapped_module = module
+        route_state_dict(wrapper, module)
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
         return wrapper
 
@@ -214,6 +218,26 @@ class ShardedDataParallel(nn.Module):
             return torch.compiler.disable(run_forward, recursive=False)(unit, module, args, kwargs, torch.compiler.disable)
         return run_forward(unit, module, args, kwargs)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's ``generate`` (Hugging Face models), run with this unit's
+        parameters gathered for the whole call and every nested unit gathered for each of its
+        forwards, as in a forward without autograd. Collective: every rank calls it (with
+        several ranks ``synced_gpus=True`` is passed unless given, so ranks that finish at
+        different lengths keep running forwards together). Inside ``summon_full_params`` the
+        wrapped model's ``generate`` runs on the summoned parameters (no gathering per token).
+
+        Args:
+            *args: the wrapped model's ``generate`` arguments.
+            **kwargs: its keyword arguments.
+        """
+        method = getattr(self._fsdp_wrapped_module, "generate", None)
+        if not callable(method):
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute 'generate': the wrapped "
+                f"{type(self._fsdp_wrapped_module).__name__} has no generate method"
+            )
+        return generate_gathered(self._unit, method, args, kwargs)
+
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
         return self._unit.is_root
@@ -291,6 +315,11 @@ class ShardedDataParallel(nn.Module):
         """The model's state in the form ``set_state_dict_type`` selected (default
         ``FULL_STATE_DICT``): the unwrapped model's keys, with full tensors, ``DTensor`` parts,
         or (``LOCAL_STATE_DICT``) this rank's flat shards. Collective: call on every rank."""
+        unit = self._unit
+        if skips_in_tree_walk(unit, destination):  # see [Note: the wrapped module's state dict]
+            return destination  # type: ignore[return-value]
+        for member in unit.members():
+            member.state_dict_route = None  # (a mark an exception left behind)
         return model_state(self, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]

@@ -145,6 +145,22 @@ def test_the_scan_finds_undeclared_imports():
     assert undeclared("flatshard", source) == [("numpy", 1), ("yaml", 2), ("numpy", 7), ("not_declared_anywhere", 9)]
     # tests get the test extra (numpy); a guarded import must still be declared somewhere
     assert undeclared("tests", source) == [("yaml", 2), ("not_declared_anywhere", 9)]
-    assert undeclared("tests", "import pytest\npytest.importorskip('transformers')\n") == [("transformers", 2)]
+    assert undeclared("tests", "import pytest\npytest.importorskip('not_declared_anywhere')\n") == [("not_declared_anywhere", 2)]
+    assert undeclared("tests", "import pytest\npytest.importorskip('transformers')\n") == []  # the hf extra
     assert undeclared("flatshard", "import tests._models\nimport train_gpt\n") == [("tests", 1), ("train_gpt", 2)]
     assert undeclared("examples", "import train_gpt, flatshard.wrap\n") == []
+
+
+def test_hugging_face_tests_skip_with_a_reason_without_transformers(tmp_path):
+    """Without transformers (the ``hf`` extra) tests/test_hf.py is skipped, saying what to install."""
+    import os
+    import subprocess
+
+    blocker = tmp_path / "transformers"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_hf.py")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 5), done.stdout + done.stderr  # (5: the module's tests are skipped at collection)
+    assert "1 skipped" in done.stdout and "the Hugging Face tests need the hf extra" in done.stdout, done.stdout

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
 SMALL = ["--steps", "3", "--log-every", "1", "--layers", "2", "--dim", "32"]
@@ -65,3 +67,23 @@ def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(
         sys.path.pop(0)
     plain = GPT(64, 32, 2, 4, 32)
     plain.load_state_dict(torch.load(full, weights_only=True), strict=True)
+
+
+FINETUNE_HF = str(ROOT / "examples" / "finetune_hf.py")
+
+
+def test_finetune_hf_resumes_writes_a_hugging_face_directory_and_generates(tmp_path):
+    """The Hugging Face example (2 spawned CPU ranks, bf16, checkpointing): a sharded checkpoint
+    at step 2, resumed to step 3; its save_pretrained directory loads with from_pretrained and
+    generates what the wrapped model generated. Needs the hf extra."""
+    transformers = pytest.importorskip("transformers", reason="examples/finetune_hf.py needs the hf extra (transformers)")
+    small = ["--log-every", "1", "--seq", "16", "--batch", "2"]
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    first = _run([sys.executable, FINETUNE_HF, "--steps", "2", "--save", ckpt, *small])
+    assert first.startswith("2 ranks, LlamaForCausalLM, bf16")
+    assert sorted(_losses(first)) == ["1", "2"]
+    second = _run([sys.executable, FINETUNE_HF, "--steps", "3", "--resume", ckpt, "--output", out, "--mixed-precision", "none", *small])
+    assert "resumed at step 3" in second and sorted(_losses(second)) == ["3"]
+    assert "(the same after from_pretrained)" in second, second
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
