@@ -31,7 +31,8 @@ import torch.distributed as dist
 # Python functions of flatshard's runtime reported per call (their cumulative time, waits and
 # copies included), as ``file:function`` suffixes.
 ENTRY_POINTS = {
-    "forward (per unit)": ("_runtime.py", "run_forward"),
+    "pre-forward (per unit forward)": ("_runtime.py", "start_forward"),
+    "post-forward (per unit forward)": ("_runtime.py", "finish_forward"),
     "pre-backward hook (per unit)": ("_runtime.py", "begin_backward"),
     "post-backward hook (per handle)": ("_runtime.py", "post_backward"),
     "end of backward (per step)": ("_runtime.py", "finalize_backward"),
@@ -83,7 +84,7 @@ def breakdown(stats: pstats.Stats, steps: int) -> Dict[str, Any]:
                     entries[name][0] += cumtime
                     entries[name][1] += calls
             continue
-        if "method 'wait' of" in function:
+        if "method 'wait' of" in function or function.endswith("_distributed_c10d.wait>"):
             waiting += tottime
             continue
         if filename.endswith("distributed_c10d.py") or "ProcessGroup' objects" in function:
