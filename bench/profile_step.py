@@ -80,9 +80,9 @@ def breakdown(stats: pstats.Stats, steps: int) -> Dict[str, Any]:
         if _is_flatshard(filename):
             runtime += tottime
             for name, (suffix, fn) in ENTRY_POINTS.items():
-                if filename.endswith(suffix) and function == fn:
-                    entries[name][0] += cumtime
-                    entries[name][1] += calls
+                # (a module-level function of the same name may call the method: keep the outer)
+                if filename.endswith(suffix) and function == fn and cumtime > entries[name][0]:
+                    entries[name] = [cumtime, calls]
             continue
         if "method 'wait' of" in function or function.endswith("_distributed_c10d.wait>"):
             waiting += tottime
