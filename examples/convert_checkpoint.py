@@ -4,7 +4,8 @@
     python examples/convert_checkpoint.py to-sharded full.pt ckpt2/   # and back
 
 Runs in one process, without a process group (nor the checkpoint's number of ranks), and
-without the model's code. A sharded checkpoint such as ``train_gpt.py --save`` writes::
+without the model's code. A sharded checkpoint such as each ``step-N`` directory of
+``train_gpt.py --save`` (``flatshard.RunCheckpoints``) holds::
 
     with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(),

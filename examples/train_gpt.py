@@ -5,6 +5,13 @@
     python examples/train_gpt.py --steps 30 --save ckpt          # sharded checkpoint at the end
     python examples/train_gpt.py --steps 60 --resume ckpt        # continues from step 30
     python examples/train_gpt.py --full-checkpoint model.pt      # one file a plain model loads
+    torchrun --nproc-per-node 2 --max-restarts 5 examples/train_gpt.py --steps 1000 \
+        --resume ckpt --save-every 50 --keep 3                   # survives killed ranks
+
+Checkpoints are ``flatshard.RunCheckpoints``: ``ckpt/step-00000050/`` and so on, each published
+atomically (complete or invisible); ``--resume`` loads the newest complete one (model,
+optimizer, step, data position and each rank's RNG state), or starts at step 1 if there is none,
+so the same command line starts a run and restarts it.
 
 ``transformer_auto_wrap_policy`` makes each transformer block its own sharded unit; the
 embedding (tied to the output head) and the final norm live in the root unit. The corpus is generated deterministically (a random
@@ -23,6 +30,8 @@ import sys
 import tempfile
 import time
 import warnings
+from datetime import timedelta
+from typing import Any, Dict, Optional
 
 # torch warns at import when NumPy is missing, but training needs no NumPy (only --save/--resume
 # do, through torch.distributed.checkpoint: setup.py's `checkpoint` extra installs it). So exactly
@@ -32,7 +41,6 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy: No module
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +48,7 @@ from flatshard import (
     BackwardPrefetch,
     FullStateDictConfig,
     MixedPrecision,
+    RunCheckpoints,
     ShardedDataParallel,
     ShardingStrategy,
     StateDictType,
@@ -124,21 +133,56 @@ def build(args: argparse.Namespace, device: torch.device) -> ShardedDataParallel
     )
 
 
-def save(model: ShardedDataParallel, optim: torch.optim.Optimizer, step: int, directory: str) -> None:
-    """A sharded checkpoint (model, optimizer, step) that any number of ranks can load."""
-    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": step}
-        dcp.save(state, checkpoint_id=directory)
+class MarkovData:
+    """This rank's batches, one per step, with a position that checkpoints save and restore (a
+    resumed run sees exactly the batches the uninterrupted run would have seen)."""
+
+    def __init__(self, rank: int, args: argparse.Namespace) -> None:
+        self.rank, self.args = rank, args
+        self.next_step = 1
+
+    def next_batch(self) -> torch.Tensor:
+        tokens = markov_batch(self.next_step, self.rank, self.args.batch, self.args.seq, self.args.vocab)
+        self.next_step += 1
+        return tokens
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.next_step = int(state["next_step"])
 
 
-def resume(model: ShardedDataParallel, optim: torch.optim.Optimizer, directory: str) -> int:
-    """Load a checkpoint written by ``save`` (at any world size); returns its step."""
-    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": 0}
-        dcp.load(state, checkpoint_id=directory)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
-    return int(state["step"])
+def checkpoints(args: argparse.Namespace, model: ShardedDataParallel, optim: torch.optim.Optimizer) -> Optional[RunCheckpoints]:
+    """The run's checkpoints: in --save (else the --resume directory), every --save-every steps."""
+    directory = args.save or args.resume
+    if directory is None:
+        return None
+    return RunCheckpoints(directory, model, optim, save_every=args.save_every, keep=args.keep)
+
+
+def resume(run: RunCheckpoints, directory: str, data: MarkovData) -> int:
+    """Load the newest complete checkpoint in ``directory`` (at any world size) into the model,
+    optimizer and data; returns the first step to run (1 if there is none)."""
+    source = run if os.path.abspath(directory) == os.path.abspath(run.directory) else RunCheckpoints(directory, run.model, run.optimizer)
+    resumed = source.resume()
+    if resumed is None:
+        return 1
+    data.load_state_dict(resumed.state["data"])
+    if resumed.rank_state is not None:  # saved at this world size: this rank's RNG state
+        torch.set_rng_state(resumed.rank_state["torch_rng"])
+    return resumed.step + 1
+
+
+def run_state(data: MarkovData) -> Dict[str, Any]:
+    """What a checkpoint keeps besides model and optimizer: the data position (the same on every
+    rank) ..."""
+    return {"data": data.state_dict()}
+
+
+def rank_state() -> Dict[str, Any]:
+    """... and this rank's RNG state (unused by this model, kept as a template for dropout)."""
+    return {"torch_rng": torch.get_rng_state()}
 
 
 def save_full(model: ShardedDataParallel, path: str) -> None:
@@ -173,14 +217,17 @@ def train(args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = build(args, device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    first = resume(model, optim, args.resume) + 1 if args.resume else 1
+    data = MarkovData(rank, args)
+    run = checkpoints(args, model, optim)
+    first = resume(run, args.resume, data) if run is not None and args.resume else 1
     if rank == 0:
         total = sum(h.numel for m in ShardedDataParallel.fsdp_modules(model) for h in m.handles)
-        where = f", resumed at step {first}" if args.resume else ""
+        where = "" if not args.resume else f", resumed at step {first}" if first > 1 else f", no checkpoint in {args.resume}: starting at step 1"
         print(f"{world} ranks, {total:,} parameters, {args.strategy}, device {device}{where}", flush=True)
     start = time.perf_counter()
+    saved = first - 1 if first > 1 else None
     for step in range(first, args.steps + 1):
-        tokens = markov_batch(step, rank, args.batch, args.seq, args.vocab).to(device)
+        tokens = data.next_batch().to(device)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
@@ -193,8 +240,10 @@ def train(args: argparse.Namespace) -> None:
             tokens_per_s = (step - first + 1) * world * args.batch * args.seq / (time.perf_counter() - start)
             if rank == 0:
                 report(step, args, mean_loss.item() / world, tokens_per_s, memory)
-    if args.save:
-        save(model, optim, args.steps, args.save)
+        if run is not None and run.maybe_save(step, run_state(data), rank_state()):
+            saved = step
+    if run is not None and saved != args.steps:
+        run.save(args.steps, run_state(data), rank_state())
     if args.full_checkpoint:
         save_full(model, args.full_checkpoint)
     if rank == 0:
@@ -203,7 +252,8 @@ def train(args: argparse.Namespace) -> None:
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:
         train(args)
     finally:
@@ -234,10 +284,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backward-prefetch", choices=["BACKWARD_PRE", "BACKWARD_POST", "None"], default="BACKWARD_PRE")
     p.add_argument("--forward-prefetch", action="store_true")
     p.add_argument("--mixed-precision", choices=list(DTYPES), default="none", help="compute dtype (this CPU: slow)")
-    p.add_argument("--save", metavar="DIR", help="write a sharded checkpoint (model, optimizer, step) at the end")
-    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written by --save (any world size)")
+    p.add_argument("--save", metavar="DIR", help="checkpoint directory: a checkpoint (model, optimizer, step, data position) at the end")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also a checkpoint every N steps (into --save, else --resume)")
+    p.add_argument("--keep", type=int, default=None, metavar="K", help="keep only the newest K checkpoints (default: all)")
+    p.add_argument("--resume", metavar="DIR", help="continue from the newest complete checkpoint in DIR (any world size); none yet: start at step 1")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="process-group timeout: ranks waiting for a dead peer fail within it")
     p.add_argument("--full-checkpoint", metavar="FILE", help="write the unwrapped model's state dict (rank 0)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.save_every and not (args.save or args.resume):
+        p.error("--save-every needs a checkpoint directory: --save DIR or --resume DIR")
+    return args
 
 
 def main() -> None:
@@ -246,7 +302,7 @@ def main() -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
         try:
             train(args)
         finally:

@@ -38,7 +38,8 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
-from . import state_dict
+from . import run_checkpoints, state_dict
+from .run_checkpoints import Resumed, RunCheckpoints, SkippedCheckpointWarning
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -96,6 +97,10 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "state_dict",
+    "run_checkpoints",
+    "RunCheckpoints",
+    "Resumed",
+    "SkippedCheckpointWarning",
     "StateDictOptions",
     "get_model_state_dict",
     "get_optimizer_state_dict",

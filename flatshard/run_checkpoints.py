@@ -1,0 +1,418 @@
+"""Periodic, atomically published checkpoints of a training run, and resuming from the latest.
+
+``RunCheckpoints`` keeps the checkpoints of one run in one directory on a filesystem every rank
+sees::
+
+    checkpoints = RunCheckpoints("ckpt", model, optim, save_every=100, keep=3)
+    resumed = checkpoints.resume()                   # None: no complete checkpoint yet
+    first = resumed.step + 1 if resumed else 1
+    for step in range(first, steps + 1):
+        ...                                          # one training step
+        checkpoints.maybe_save(step, state={"data": loader_position})
+
+Each checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory ``step-00000100`` holding
+the model's sharded state dict (``"model"``), the optimizer's (``"optim"``), the step
+(``"step"``), the caller's state and a manifest. It loads at any world size.
+
+[Note: atomic publish] A checkpoint is written into ``.partial-step-N`` (a name ``resume``
+never loads). When DCP has written every rank's files and its ``.metadata``, the ranks
+checksum them (each a share of the files) and rank 0 writes ``flatshard-checkpoint.json`` (the
+manifest: step, world size, every file's size and CRC-32), fsyncs it, renames the directory to
+``step-N`` and fsyncs the parent directory. A rename within one filesystem is atomic, so a
+process killed at any moment leaves either no ``step-N`` or a complete one; leftovers of an
+interrupted save keep their ``.partial-`` name and are removed by the next save.
+
+[Note: reading checkpoints] ``resume`` tries the ``step-N`` directories newest first and loads
+the first whose manifest lists the step and whose files all exist with the listed sizes and
+checksums (the ranks share the checking). Every directory it passes over -- a newer one that
+does not verify, or a leftover ``.partial-`` one -- is named in a ``SkippedCheckpointWarning``
+with the reason, on every rank; nothing that does not verify is loaded. Rank 0 decides what
+exists and the ranks follow it, so they always load the same checkpoint.
+
+[Note: keeping the last K] After publishing, rank 0 removes the oldest complete checkpoints
+beyond ``keep``. A removal first renames the directory to ``.deleting-step-N`` (atomically
+invisible to ``resume``) and then deletes it, so a process killed while deleting leaves only a
+leftover that the next save removes. The checkpoint just published is never removed
+(``keep >= 1``), so there is always at least one complete checkpoint once one was saved.
+Checkpoints of steps after the one just saved are removed too: they belong to a timeline the run
+abandoned (it resumed from before them because they did not verify, or an earlier run left them
+in the same directory), and ``resume`` must never prefer them over the run's own.
+
+[Note: caller's state] ``state`` is whatever the run needs besides model and optimizer that is
+the same on every rank (data position, schedule, counters): rank 0's is saved. ``rank_state``
+differs per rank (RNG states, a per-rank data cursor): each rank's is saved under its rank and
+given back only when resuming at the world size it was saved at (at another world size there is
+no rank it belongs to, so ``Resumed.rank_state`` is ``None``). Both are pickled, so any
+picklable object works; DCP stores each as one opaque item.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ._collectives import Communicator, ProcessGroup, _object_device, all_gather_object, broadcast_object, default_group, first_difference
+from .api import StateDictType
+from .sharded_data_parallel import ShardedDataParallel
+
+__all__ = ["RunCheckpoints", "Resumed", "SkippedCheckpointWarning", "MANIFEST"]
+
+MANIFEST = "flatshard-checkpoint.json"
+FORMAT_VERSION = 1
+_PUBLISHED = re.compile(r"^step-(\d{8,})$")
+_PARTIAL, _DELETING = ".partial-", ".deleting-"
+_READ_CHUNK = 1 << 22
+
+
+class SkippedCheckpointWarning(UserWarning):
+    """A checkpoint directory that ``RunCheckpoints.resume`` did not load (the message names it
+    and says why)."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What ``RunCheckpoints.resume`` loaded.
+
+    Attributes:
+        step: the step the checkpoint was saved after (continue with ``step + 1``).
+        path: the checkpoint directory.
+        world_size: the world size it was saved at.
+        state: the ``state`` given to ``save`` (rank 0's), or ``None``.
+        rank_state: this rank's ``rank_state`` given to ``save``, or ``None`` (also when resuming
+            at another world size).
+    """
+
+    step: int
+    path: str
+    world_size: int
+    state: Any
+    rank_state: Any
+
+
+# -- names and files (no process group needed) -----------------------------------------------
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``: ``step-00000042``."""
+    return f"step-{step:08d}"
+
+
+def published_steps(directory: str) -> List[Tuple[int, str]]:
+    """``(step, path)`` of every ``step-N`` directory in ``directory``, newest first (whether
+    complete or not; see ``problem_of``)."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _PUBLISHED.match(name)
+        if match and os.path.isdir(os.path.join(directory, name)):
+            found.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(found, reverse=True)
+
+
+def leftovers(directory: str) -> List[str]:
+    """Paths of the directories interrupted saves and removals left in ``directory``."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted(n for n in os.listdir(directory) if n.startswith((_PARTIAL, _DELETING)))
+    return [os.path.join(directory, n) for n in names]
+
+
+def file_record(path: str) -> Dict[str, int]:
+    """``{"size": bytes, "crc32": checksum}`` of one file."""
+    crc = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_READ_CHUNK), b""):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": os.path.getsize(path), "crc32": crc}
+
+
+def read_manifest(path: str, step: int) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The manifest of the checkpoint directory ``path`` named for ``step``, and ``""``; or
+    ``None`` and why it is missing or not valid."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None, f"it has no {MANIFEST} (not written by RunCheckpoints, or damaged)"
+    except (OSError, ValueError) as exc:
+        return None, f"its {MANIFEST} cannot be read: {exc}"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, f"its {MANIFEST} has no file list"
+    if manifest.get("step") != step:
+        return None, f"its {MANIFEST} is for step {manifest.get('step')!r}, expected {step}"
+    return manifest, ""
+
+
+def file_problem(path: str, name: str, expected: Dict[str, int], checksums: bool) -> str:
+    """Why file ``name`` of checkpoint ``path`` does not match its manifest record (``""``: it
+    does)."""
+    full = os.path.join(path, name)
+    if not os.path.isfile(full):
+        return f"file {name} is missing"
+    size = os.path.getsize(full)
+    if size != expected.get("size"):
+        return f"file {name} has {size} bytes, expected {expected.get('size')}"
+    if checksums and file_record(full)["crc32"] != expected.get("crc32"):
+        return f"file {name} has a different CRC-32 than when it was saved (expected {expected.get('crc32')})"
+    return ""
+
+
+def _fsync_directory(path: str) -> None:
+    """Make a rename in ``path`` durable (where the platform can open directories)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(path: str) -> None:
+    """Make ``path`` invisible at once (rename to ``.deleting-``), then delete it."""
+    parent, name = os.path.split(path)
+    doomed = path if name.startswith(_DELETING) else os.path.join(parent, _DELETING + name.lstrip("."))
+    if doomed != path:
+        if os.path.exists(doomed):
+            shutil.rmtree(doomed)
+        os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _check_int(name: str, value: Any, least: int, allow_none: bool = False) -> None:
+    """Refuse ``value`` unless it is an int >= ``least`` (or ``None`` where allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"RunCheckpoints: {name} must be an int >= {least}{' or None' if allow_none else ''}, got {value!r}")
+
+
+# -- the run's checkpoints -------------------------------------------------------------------
+
+
+class RunCheckpoints:
+    """Periodic checkpoints of one training run in ``directory``; see the module docstring.
+
+    Every method that touches checkpoints is collective (call it on every rank, with the same
+    arguments). ``directory`` must be on a filesystem every rank sees, and only one run may
+    write to it at a time.
+
+    Args:
+        directory: where the ``step-N`` checkpoint directories go (created when needed).
+        model: the ``ShardedDataParallel`` model (either ``use_orig_params`` mode).
+        optimizer: its optimizer, or ``None`` to save and load the model only.
+        save_every: ``maybe_save`` saves at steps that are multiples of it (0: never).
+        keep: how many complete checkpoints to keep (the newest ones); ``None``: all.
+        process_group: the group that saves and loads (``None``: the default group). Give it a
+            short timeout (``init_process_group(timeout=...)``) so that ranks stuck waiting for
+            a dead peer fail within it.
+        verify_checksums: ``resume`` compares every file's CRC-32 with the manifest (each rank
+            reads a share of the files); ``False`` compares sizes only.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        save_every: int = 0,
+        keep: Optional[int] = None,
+        process_group: Optional[ProcessGroup] = None,
+        verify_checksums: bool = True,
+    ) -> None:
+        _check_int("save_every", save_every, 0)
+        _check_int("keep", keep, 1, allow_none=True)
+        if not isinstance(model, ShardedDataParallel):
+            raise TypeError(f"RunCheckpoints: model must be a ShardedDataParallel, got {type(model).__name__}")
+        self.directory = os.fspath(directory)
+        self.model = model
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.keep = keep
+        self.group = process_group if process_group is not None else default_group()
+        self.verify_checksums = verify_checksums
+        self._comm = Communicator(self.group)
+        self._device = _object_device(self.group)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``maybe_save(step)`` saves: ``step`` is a positive multiple of ``save_every``."""
+        return self.save_every > 0 and step > 0 and step % self.save_every == 0
+
+    def maybe_save(self, step: int, state: Any = None, rank_state: Any = None) -> Optional[str]:
+        """``save(step, state, rank_state)`` if ``should_save(step)``; returns its path or ``None``.
+
+        Args:
+            step: the step just completed.
+            state: the run's state that is the same on every rank (rank 0's is saved).
+            rank_state: this rank's own state (e.g. RNG states).
+        """
+        return self.save(step, state, rank_state) if self.should_save(step) else None
+
+    def save(self, step: int, state: Any = None, rank_state: Any = None) -> str:
+        """Save a checkpoint of the run after ``step`` and publish it atomically ([Note: atomic
+        publish]); then remove the oldest beyond ``keep``. Returns the published path, which
+        every rank can load once this returns on any rank. Collective.
+
+        Args:
+            step: the step just completed (``resume`` continues after it).
+            state: the run's state that is the same on every rank (rank 0's is saved).
+            rank_state: this rank's own state (given back at the same world size only).
+        """
+        _check_int("step", step, 0)
+        final = os.path.join(self.directory, step_name(step))
+        partial = os.path.join(self.directory, _PARTIAL + step_name(step))
+        if self._comm.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            for path in leftovers(self.directory):
+                shutil.rmtree(path, ignore_errors=True)
+        self._agree("save", [self.directory, str(step)])  # also: nobody writes before the clean-up
+        metadata = dcp.save(self._state_to_save(step, state, rank_state), checkpoint_id=partial, process_group=self.group)
+        files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
+        mine = {name: file_record(os.path.join(partial, name)) for name in files[self._comm.rank :: self._comm.world_size]}
+        records = {name: record for share in all_gather_object(mine, self.group) for name, record in share.items()}
+        if self._comm.rank == 0:
+            self._publish(partial, final, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
+            self._prune(step)
+        self._comm.all_reduce(torch.zeros(1, device=self._device))  # published (and pruned) on every rank's return
+        return final
+
+    def _state_to_save(self, step: int, state: Any, rank_state: Any) -> Dict[str, Any]:
+        with ShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+            saved: Dict[str, Any] = {"model": self.model.state_dict(), "step": step}
+            if self.optimizer is not None:
+                saved["optim"] = ShardedDataParallel.optim_state_dict(self.model, self.optimizer)
+        if state is not None and self._comm.rank == 0:
+            saved["state"] = pickle.dumps(state)
+        if rank_state is not None:
+            saved[f"rank_state_{self._comm.rank}"] = pickle.dumps(rank_state)
+        return saved
+
+    def _publish(self, partial: str, final: str, step: int, records: Dict[str, Any], has_state: bool, has_rank_state: bool) -> None:
+        """Rank 0: write the manifest, then rename ``partial`` to ``final`` ([Note: atomic publish])."""
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": self._comm.world_size,
+            "optimizer": self.optimizer is not None,
+            "state": has_state,
+            "rank_state": has_rank_state,
+            "files": records,
+        }
+        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_directory(partial)
+        if os.path.exists(final):  # an older run's checkpoint of this step (resumed from before it)
+            _remove(final)
+        os.rename(partial, final)
+        _fsync_directory(self.directory)
+
+    def _prune(self, current: int) -> None:
+        """Rank 0, after publishing ``current``: remove checkpoints of later steps and the oldest
+        complete ones beyond ``keep`` ([Note: keeping the last K])."""
+        published = published_steps(self.directory)
+        for step, path in published:
+            if step > current:
+                _remove(path)
+        if self.keep is None:
+            return
+        complete = [path for step, path in published if step <= current and read_manifest(path, step)[0] is not None]
+        for path in complete[self.keep :]:
+            _remove(path)
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def latest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
+        """The newest checkpoint that verifies ([Note: reading checkpoints]) and its manifest,
+        or ``None``; warns (``SkippedCheckpointWarning``) about every directory passed over.
+        Collective."""
+        found = (published_steps(self.directory), leftovers(self.directory)) if self._comm.rank == 0 else None
+        candidates, left = broadcast_object(found, self.group)
+        for path in left:
+            warnings.warn(f"RunCheckpoints: skipping {path}: an interrupted save or removal left it (the next save removes it)", SkippedCheckpointWarning, stacklevel=3)
+        for step, path in candidates:
+            manifest, problem = read_manifest(path, step)
+            problems = all_gather_object(problem or self._file_problems(path, manifest), self.group)
+            problem = next((p for p in problems if p), "")
+            if not problem:
+                return path, manifest  # type: ignore[return-value]
+            warnings.warn(f"RunCheckpoints: skipping {path}: {problem}", SkippedCheckpointWarning, stacklevel=3)
+        return None
+
+    def _file_problems(self, path: str, manifest: Optional[Dict[str, Any]]) -> str:
+        """The first problem with this rank's share of the manifest's files (``""``: none)."""
+        if manifest is None:
+            return ""
+        names = sorted(manifest["files"])
+        if ".metadata" not in names:
+            return f"its {MANIFEST} lists no .metadata"
+        for name in names[self._comm.rank :: self._comm.world_size]:
+            problem = file_problem(path, name, manifest["files"][name], self.verify_checksums)
+            if problem:
+                return problem
+        return ""
+
+    def resume(self) -> Optional[Resumed]:
+        """Load the newest complete checkpoint into the model and optimizer (at any world size)
+        and return what it held; ``None`` if there is none (the model and optimizer are left as
+        they are). Collective.
+        """
+        found = self.latest()
+        if found is None:
+            return None
+        path, manifest = found
+        rank, world_size = self._comm.rank, self._comm.world_size
+        same_world = manifest.get("world_size") == world_size
+        if self.optimizer is not None and not manifest.get("optimizer"):
+            raise ValueError(f"RunCheckpoints.resume: {path} has no optimizer state, but an optimizer was given (pass optimizer=None to load the model only)")
+        with ShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
+            loaded: Dict[str, Any] = {"model": self.model.state_dict(), "step": 0}
+            if self.optimizer is not None:
+                loaded["optim"] = ShardedDataParallel.optim_state_dict(self.model, self.optimizer)
+            if manifest.get("state"):
+                loaded["state"] = b""
+            if manifest.get("rank_state") and same_world:
+                loaded[f"rank_state_{rank}"] = b""
+            dcp.load(loaded, checkpoint_id=path, process_group=self.group)
+            self.model.load_state_dict(loaded["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(self.model, self.optimizer, loaded["optim"]))
+        return Resumed(
+            step=int(loaded["step"]),
+            path=path,
+            world_size=int(manifest.get("world_size", 0)),
+            state=_unpickle(loaded.get("state")),
+            rank_state=_unpickle(loaded.get(f"rank_state_{rank}")),
+        )
+
+    def _agree(self, what: str, items: Sequence[str]) -> None:
+        """Every rank passed the same ``items`` (else every rank raises, naming the first that differs)."""
+        difference = first_difference(list(items), self._comm, self._device)
+        if difference is not None:
+            raise ValueError(
+                f"RunCheckpoints.{what}: ranks disagree: rank {difference.rank} passed {difference.theirs!r} "
+                f"where rank 0 passed {difference.reference!r} (directory and step must be the same on every rank)"
+            )
+
+
+def _unpickle(blob: Any) -> Any:
+    return None if blob is None else pickle.loads(blob)
