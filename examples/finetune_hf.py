@@ -5,6 +5,7 @@
     python examples/finetune_hf.py --model PATH_OR_NAME     # a pretrained model (from_pretrained)
     python examples/finetune_hf.py --steps 20 --save ckpt   # sharded checkpoint at the end
     python examples/finetune_hf.py --steps 40 --resume ckpt # continues from step 20
+    python examples/finetune_hf.py --steps 400 --resume ckpt --save-every 50 --keep 2  # survives killed ranks
     torchrun --nproc-per-node 4 examples/finetune_hf.py     # the launcher's ranks
 
 Each decoder layer is a unit (``transformer_auto_wrap_policy`` on the model's decoder layer
@@ -12,7 +13,10 @@ class); computation in bfloat16 (``--mixed-precision none`` for float32), activa
 checkpointing per layer (Hugging Face's own), a generated corpus (nothing to download unless
 ``--model`` names a hub model). At the end the model is written with ``save_pretrained`` (on every
 rank, rank 0 writing: the wrapped model's state dict is the full one, gathered unit by unit),
-loaded back with ``from_pretrained`` and both generate the same tokens. Needs the ``hf`` extra.
+loaded back with ``from_pretrained`` and both generate the same tokens. Checkpoints are
+``flatshard.RunCheckpoints`` (``ckpt/step-00000050/``, each published atomically; ``--resume``
+loads the newest complete one, at any world size; the batches follow from the step, so a resumed
+run sees the batches an uninterrupted one would). Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -24,15 +28,16 @@ import os
 import sys
 import tempfile
 import time
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import transformers
 from torch import nn
 
-from flatshard import MixedPrecision, ShardedDataParallel, StateDictType, transformer_auto_wrap_policy
+from flatshard import MixedPrecision, RunCheckpoints, ShardedDataParallel, transformer_auto_wrap_policy
 
 TINY = {
     "llama": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -77,20 +82,20 @@ def batch(step: int, rank: int, args: argparse.Namespace, vocab: int) -> torch.T
     return 2 + (start - 2 + torch.cat([torch.zeros_like(start), steps.cumsum(1)], 1)) % (vocab - 2)
 
 
-def save(model: ShardedDataParallel, optim: torch.optim.Optimizer, step: int, directory: str) -> None:
-    """A sharded checkpoint (model, optimizer, step), loadable at any world size."""
-    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": step}
-        dcp.save(state, checkpoint_id=directory)
+def checkpoints(args: argparse.Namespace, model: ShardedDataParallel, optim: torch.optim.Optimizer) -> Optional[RunCheckpoints]:
+    """Where this run's checkpoints go (``--save``, else the ``--resume`` directory)."""
+    directory = args.save or args.resume
+    if directory is None:
+        return None
+    return RunCheckpoints(directory, model, optim, save_every=args.save_every, keep=args.keep)
 
 
-def resume(model: ShardedDataParallel, optim: torch.optim.Optimizer, directory: str) -> int:
-    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim), "step": 0}
-        dcp.load(state, checkpoint_id=directory)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
-    return int(state["step"])
+def resume(run: RunCheckpoints, directory: str) -> int:
+    """The first step to run after loading the newest complete checkpoint in ``directory``
+    (1 if it has none); the batches follow from the step."""
+    source = run if os.path.abspath(directory) == os.path.abspath(run.directory) else RunCheckpoints(directory, run.model, run.optimizer)
+    resumed = source.resume()
+    return 1 if resumed is None else resumed.step + 1
 
 
 def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
@@ -108,11 +113,13 @@ def finetune(args: argparse.Namespace) -> None:
     model = build(args)
     vocab = model.config.vocab_size
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    first = resume(model, optim, args.resume) + 1 if args.resume else 1
+    run = checkpoints(args, model, optim)
+    first = resume(run, args.resume) if run is not None and args.resume else 1
     if rank == 0:
         where = f", resumed at step {first}" if args.resume else ""
         print(f"{world} ranks, {type(model.module).__name__}, {args.mixed_precision}{where}", flush=True)
     start = time.perf_counter()
+    saved = first - 1 if first > 1 else None
     model.train()
     for step in range(first, args.steps + 1):
         tokens = batch(step, rank, args, vocab)
@@ -125,8 +132,10 @@ def finetune(args: argparse.Namespace) -> None:
             dist.all_reduce(mean)
             if rank == 0:
                 progress(step, args.steps, mean.item() / world, (step - first + 1) * world * tokens.numel() / (time.perf_counter() - start))
-    if args.save:
-        save(model, optim, args.steps, args.save)
+        if run is not None and run.maybe_save(step):
+            saved = step
+    if run is not None and saved != args.steps:
+        run.save(args.steps)
     with tempfile.TemporaryDirectory() as scratch:
         export(model, args.output or os.path.join(scratch, "model"), rank)
 
@@ -149,7 +158,8 @@ def export(model: ShardedDataParallel, directory: str, rank: int) -> None:
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:
         finetune(args)
     finally:
@@ -170,16 +180,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--mixed-precision", choices=["bf16", "none"], default="bf16")
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks to start when not under torchrun")
-    p.add_argument("--save", metavar="DIR", help="write a sharded checkpoint (model, optimizer, step) at the end")
-    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written by --save (any world size)")
+    p.add_argument("--save", metavar="DIR", help="write sharded checkpoints (model, optimizer, step) here, at the end and every --save-every steps")
+    p.add_argument("--resume", metavar="DIR", help="continue from the newest complete checkpoint in DIR (any world size; step 1 if none)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
+    p.add_argument("--keep", type=int, default=None, metavar="K", help="keep only the newest K checkpoints (default: all)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="process-group timeout: ranks waiting for a dead peer fail within it")
     p.add_argument("--output", metavar="DIR", help="keep the Hugging Face model directory here (default: a temporary one)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.save_every and not (args.save or args.resume):
+        p.error("--save-every needs a checkpoint directory: --save DIR or --resume DIR")
+    return args
 
 
 def main() -> None:
     args = parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         try:
             finetune(args)
         finally:

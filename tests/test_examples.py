@@ -79,9 +79,10 @@ def test_finetune_hf_resumes_writes_a_hugging_face_directory_and_generates(tmp_p
     transformers = pytest.importorskip("transformers", reason="examples/finetune_hf.py needs the hf extra (transformers)")
     small = ["--log-every", "1", "--seq", "16", "--batch", "2"]
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    first = _run([sys.executable, FINETUNE_HF, "--steps", "2", "--save", ckpt, *small])
+    first = _run([sys.executable, FINETUNE_HF, "--steps", "2", "--save", ckpt, "--save-every", "1", "--keep", "1", *small])
     assert first.startswith("2 ranks, LlamaForCausalLM, bf16")
     assert sorted(_losses(first)) == ["1", "2"]
+    assert sorted(os.listdir(ckpt)) == ["step-00000002"]  # RunCheckpoints: every step, the newest kept
     second = _run([sys.executable, FINETUNE_HF, "--steps", "3", "--resume", ckpt, "--output", out, "--mixed-precision", "none", *small])
     assert "resumed at step 3" in second and sorted(_losses(second)) == ["3"]
     assert "(the same after from_pretrained)" in second, second
