@@ -13,14 +13,11 @@ before (it keeps its root unsharded after forward).
 
 Every rank must run the same forwards, but ranks stop generating at different lengths (an
 end-of-sequence token). Hugging Face's ``synced_gpus=True`` keeps a finished rank running
-dummy forwards until all are done; transformers turns it on itself only for models it
-recognises as FSDP-managed (``_is_fsdp_managed_module``, or an FSDP1 instance). flatshard
-does not set that marker on modules: torch.compile reads the same attribute and switches to
-its tracing of FSDP1 models, which refuses ``use_orig_params=False`` and traces into
-flatshard's runtime. Instead the wrapper's ``generate`` passes ``synced_gpus=True`` when
-other ranks share the model and the caller did not choose. A caller who passes
-``synced_gpus=False`` gets order checks on every gather of the call, so ranks that diverge
-raise an error on every rank instead of waiting for each other forever.
+dummy forwards until all are done; transformers turns it on itself for models it recognises as
+FSDP-managed (see [Note: FSDP markers] in ``_fsdp_markers``). The wrapper's ``generate`` also
+passes ``synced_gpus=True`` when other ranks share the model and the caller did not choose. A
+caller who passes ``synced_gpus=False`` gets order checks on every gather of the call, so ranks
+that diverge raise an error on every rank instead of waiting for each other forever.
 
 Inside ``summon_full_params`` the modules hold full parameters already: ``generate`` runs the
 wrapped model's method as it is (the fast path: no gathering per token).

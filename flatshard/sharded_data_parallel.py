@@ -12,6 +12,7 @@ from torch import nn
 from ._clip import clip_grad_norm_
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
+from ._fsdp_markers import mark_fsdp_managed
 from ._generate import generate_gathered
 from ._init import build_unit
 from ._module_state_dict import route_state_dict, skips_in_tree_walk
@@ -121,6 +122,7 @@ class ShardedDataParallel(nn.Module):
         self._unit = build_unit(module, options, owned)
         self._fsdp_wrapped_module = module
         route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
+        mark_fsdp_managed(self, options.use_orig_params)  # see [Note: FSDP markers]
         # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 

@@ -97,7 +97,11 @@ def _generate(rank: int, world_size: int, kind: str, orig: bool) -> List[bool]:
     with ShardedDataParallel.summon_full_params(model, writeback=False):
         summoned = model.generate(prompt, max_new_tokens=6, do_sample=False)
     model(input_ids=prompt).logits.sum().backward()  # training goes on after generating
-    return [torch.equal(through_wrapper, expected), torch.equal(summoned, expected)]
+    # transformers (and libraries testing the same attribute) see FSDP-managed modules
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    managed = all(is_fsdp_managed_module(m) for m in (model, model.module, *model.module.modules()))
+    return [torch.equal(through_wrapper, expected), torch.equal(summoned, expected), managed]
 
 
 def _unequal_lengths(rank: int, world_size: int) -> Tuple[int, int, str]:
@@ -146,7 +150,7 @@ class HuggingFaceTest(TestCase):
     def test_generate_gives_the_unwrapped_models_tokens(self) -> None:
         for kind, orig in (("gpt2", False), ("gpt2", True), ("llama", False)):
             with self.subTest(kind=kind, use_orig_params=orig):
-                self.assertEqual(self.pool.run(_generate, 2, kind, orig), [[True, True]] * 2)
+                self.assertEqual(self.pool.run(_generate, 2, kind, orig), [[True, True, True]] * 2)
 
     def test_ranks_generating_different_lengths_do_not_hang(self) -> None:
         (new0, same0, error0), (new1, same1, error1) = self.pool.run(_unequal_lengths, 2, timeout=120)
