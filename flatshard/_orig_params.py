@@ -15,7 +15,12 @@ The user owns those ``.grad``s: ``optimizer.zero_grad()`` sets them to ``None`` 
 them), an optimizer may replace one. So the flat shard's gradient is not trusted on its own: before
 it is accumulated into or read (``flat_grad``), it is rebuilt from the parameters' ``.grad``s --
 kept where a parameter still holds the view given to it, zeroed where it holds none, copied where
-it holds another tensor.
+it holds another tensor. Before each use of a handle's views it is reconciled the same way, so
+a shard gradient the user dropped (``zero_grad()`` setting every ``.grad`` to ``None``) is
+released then rather than kept until the next reduction. A parameter frozen after it got its
+``.grad`` view keeps it (as in single-process training, until it is zeroed); parameters frozen
+when the model was wrapped are flattened apart from the trainable ones
+(``_init.group_params``) and never get gradient memory.
 """
 
 from __future__ import annotations
