@@ -7,6 +7,7 @@ Needs transformers (the ``hf`` extra: ``pip install -e ".[hf]"``); skipped witho
 from __future__ import annotations
 
 import functools
+import importlib
 import tempfile
 from typing import Any, Dict, List, Tuple
 
@@ -98,9 +99,8 @@ def _generate(rank: int, world_size: int, kind: str, orig: bool) -> List[bool]:
         summoned = model.generate(prompt, max_new_tokens=6, do_sample=False)
     model(input_ids=prompt).logits.sum().backward()  # training goes on after generating
     # transformers (and libraries testing the same attribute) see FSDP-managed modules
-    from transformers.distributed.fsdp import is_fsdp_managed_module
-
-    managed = all(is_fsdp_managed_module(m) for m in (model, model.module, *model.module.modules()))
+    is_managed = importlib.import_module("transformers.distributed.fsdp").is_fsdp_managed_module
+    managed = all(is_managed(m) for m in (model, model.module, *model.module.modules()))
     return [torch.equal(through_wrapper, expected), torch.equal(summoned, expected), managed]
 
 
