@@ -3,10 +3,11 @@ nested-output helpers. Nothing here talks to other ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from enum import Enum, auto
-from typing import Any, Callable, Iterable, Iterator, Optional, Type, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Type, TypeVar
 
 import torch
 
@@ -176,3 +177,17 @@ def coerce_config(value: Any, config_cls: Type[_C], arg_name: str) -> Optional[_
     if type(value).__name__ == config_cls.__name__ and all(hasattr(value, n) for n in names):
         return config_cls(**{n: getattr(value, n) for n in names})
     raise TypeError(f"{arg_name} must be a {config_cls.__name__} or None; got {value!r}")
+
+
+@contextlib.contextmanager
+def attribute_set(objects: Sequence[Any], name: str, value: Any) -> Iterator[None]:
+    """Set attribute ``name`` of every one of ``objects`` to ``value`` while inside; each gets
+    its previous value back on exit, also after an error."""
+    previous = [getattr(obj, name) for obj in objects]
+    for obj in objects:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, old in zip(objects, previous):
+            setattr(obj, name, old)

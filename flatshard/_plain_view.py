@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ._unit import IN_PLAIN_VIEW, unit_of
-from ._common import WRAPPED_MODULE
+from ._common import WRAPPED_MODULE, attribute_set
 from .flat_param import FlatParamHandle
 
 _MISSING = object()
@@ -48,14 +48,8 @@ def _marked_in_view(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Tell the wrapped modules' state-dict hooks that their ``state_dict()`` is the plain
     view's (see [Note: the wrapped module's state dict] in ``_module_state_dict``)."""
     units = [unit for unit in (unit_of(m) for m in modules) if unit is not None]
-    previous = [unit.state_dict_route for unit in units]
-    for unit in units:
-        unit.state_dict_route = IN_PLAIN_VIEW
-    try:
+    with attribute_set(units, "state_dict_route", IN_PLAIN_VIEW):
         yield
-    finally:
-        for unit, route in zip(units, previous):
-            unit.state_dict_route = route
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._compile import dynamo_loaded, outside_graph
 from ._collectives import all_gather_object, differences, fingerprint, item_at
-from ._common import HandleState, TrainingState, display_name, iter_tensors, map_tensors
+from ._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
 from ._saved import SavedParamGuard
 from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
@@ -147,14 +147,8 @@ def reduce_held(ctx: Optional[RootContext]) -> None:
 @contextlib.contextmanager
 def no_sync(units: Sequence[Unit]) -> Iterator[None]:
     """Skip gradient reduction in ``units`` while inside; restore the previous setting after."""
-    previous = [unit.sync_gradients for unit in units]
-    for unit in units:
-        unit.sync_gradients = False
-    try:
+    with attribute_set(units, "sync_gradients", False):
         yield
-    finally:
-        for unit, value in zip(units, previous):
-            unit.sync_gradients = value
 
 
 def _in_backward() -> bool:

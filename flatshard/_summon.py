@@ -65,7 +65,7 @@ def summon_full_params(
         flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
         items = [flags] + [f"unit {display_name(u.name)}" for u in units]
         if with_grads:
-            items += [f"{'a' if h.flat_param.grad is not None else 'no'} gradient for unit {display_name(u.name)}" for u in units for h in u.handles]
+            items += [f"{'a' if h.flat_grad() is not None else 'no'} gradient for unit {display_name(u.name)}" for u in units for h in u.handles]
         check_ranks_agree(units[0], items, "summon_full_params")
     for unit in units:
         unit.move((_IDLE,), _SUMMON)
