@@ -27,6 +27,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._buffer_pool import BufferPool
+
 ProcessGroup = dist.ProcessGroup
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -142,15 +144,16 @@ class Communicator:
             work = _all_gather_flat(output, shard, group=self.group, async_op=True)
         return _maybe_wait(Pending(work), async_op)
 
-    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Pending:
-        """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks."""
-        return self._reduce_scatter(output, full, self.world_size, async_op)
+    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False, buffers: Optional[BufferPool] = None) -> Pending:
+        """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks (scratch
+        memory, if any is needed, from ``buffers``)."""
+        return self._reduce_scatter(output, full, self.world_size, async_op, buffers)
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """Set ``output`` to this rank's chunk of the sum of ``full`` over the ranks."""
         self._reduce_scatter(output, full, 1, async_op=False)
 
-    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool) -> Pending:
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool, buffers: Optional[BufferPool] = None) -> Pending:
         world = self.world_size
         if world == 1:
             output.copy_(full)
@@ -158,7 +161,7 @@ class Communicator:
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:
-            received = torch.empty_like(full)
+            received = buffers.new(full.numel(), full.dtype, full.device) if buffers is not None else torch.empty_like(full)
             work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
 
             def finish() -> None:
@@ -168,6 +171,8 @@ class Communicator:
                     output.add_(chunk)
                 if divisor != 1:
                     output.div_(divisor)
+                if buffers is not None:
+                    buffers.give(received)
 
             return _maybe_wait(Pending(work, finish), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

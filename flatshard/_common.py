@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Type, 
 
 import torch
 
+from ._buffer_pool import BufferPool
+
 # Attribute names. They match torch FSDP1's so that tools which strip FSDP1's prefixes from
 # parameter names (e.g. torch.distributed.checkpoint helpers) strip ours too.
 WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -82,18 +84,20 @@ def rank_prefix(rank: int, unit_name: str) -> str:
     return f"[rank {rank}] unit {display_name(unit_name)}"
 
 
-def alloc_storage(tensor: torch.Tensor, numel: int) -> None:
-    """Give ``tensor`` (which must start at offset 0) storage for ``numel`` elements again."""
+def alloc_storage(tensor: torch.Tensor, numel: int, pool: BufferPool) -> None:
+    """Give ``tensor`` (which must start at offset 0) storage for ``numel`` elements again
+    (idle memory from ``pool`` if it has some, see [Note: buffer pool])."""
     storage = tensor.untyped_storage()
     nbytes = numel * tensor.element_size()
     if storage.size() != nbytes:
         if storage.size() != 0:
             raise AssertionError(f"expected freed storage, found {storage.size()} bytes")
-        storage.resize_(nbytes)
+        pool.fill(tensor, nbytes)
 
 
-def free_storage(tensor: torch.Tensor) -> None:
-    """Release ``tensor``'s storage while keeping the tensor (and its views) alive.
+def free_storage(tensor: torch.Tensor, pool: BufferPool) -> None:
+    """Release ``tensor``'s storage while keeping the tensor (and its views) alive (its
+    memory goes to ``pool`` if that has room).
 
     [Note: storage freeing] Autograd saves views of the full flat parameter for backward.
     Resizing the storage to zero bytes frees the memory but keeps those views pointing at the
@@ -106,7 +110,7 @@ def free_storage(tensor: torch.Tensor) -> None:
         raise AssertionError(f"can only free a tensor that starts its storage; offset {tensor.storage_offset()}")
     storage = tensor.untyped_storage()
     if storage.size() != 0:
-        storage.resize_(0)
+        pool.empty(tensor)
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

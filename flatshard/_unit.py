@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
+from ._buffer_pool import BufferPool
 from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from ._common import TrainingState, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
@@ -217,6 +218,13 @@ class RootContext:
         self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {
             handle.storage_key(): (unit, handle) for unit in units for handle in unit.handles if handle.separate_full
         }
+        # Idle memory of full flat tensors and reduction buffers, reused from one unit to the
+        # next (see [Note: buffer pool]): room for two of the largest unit.
+        largest = max((h.padded_numel * h.compute_dtype.itemsize for _, h in self.freeable.values()), default=0)
+        self.buffers = BufferPool(2 * largest)
+        for unit in units:
+            for handle in unit.handles:
+                handle.pool = self.buffers
         self.exec_order: ExecOrder[Unit] = ExecOrder()
         self.backward_state = BackwardState.IDLE
         # Units gathered during the current root forward (by their forward or a forward

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._buffer_pool import BufferPool
 from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, guard_transition, storage_bytes
 from ._layout import OrigParam, ParamInfo, SharedParamInfo, ShardParamInfo, flatten, layout, shard_param_infos, shard_sizes
@@ -157,6 +158,9 @@ class FlatParamHandle:
         # NO_SHARD: whether .grad holds a no_sync gradient not yet averaged over the ranks.
         self._local_grad = False
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
+        # Idle memory for full flat tensors and reduction buffers, shared by the root's
+        # handles once it runs (see [Note: buffer pool]); until then it holds nothing.
+        self.pool = BufferPool()
         # The gradient reduction in flight (see [Note: gradient reduction]).
         self._reduction: Optional[_Reduction] = None
         self.state = HandleState.UNSHARDED
@@ -261,7 +265,7 @@ class FlatParamHandle:
         UNSHARDED unless ``async_op`` (then ``wait()``, or any use of the full tensor,
         completes it)."""
         self._move((HandleState.SHARDED,), HandleState.GATHERING, "unshard")
-        alloc_storage(self._full_data, self.padded_numel)
+        alloc_storage(self._full_data, self.padded_numel, self.pool)
         self._start_gather(async_op)
 
     def _start_gather(self, async_op: bool) -> None:
@@ -318,7 +322,7 @@ class FlatParamHandle:
         self.finish_gather()  # never free memory a collective is still writing
         self._move((HandleState.UNSHARDED,), HandleState.SHARDED, "reshard")
         self.drop_views()
-        free_storage(self._full_data)
+        free_storage(self._full_data, self.pool)
         return True
 
     def use_views(self, track_grad: bool) -> None:
@@ -334,7 +338,10 @@ class FlatParamHandle:
         if self.orig is not None:
             self.flat_grad()  # (frees a shard gradient whose views the user dropped: zero_grad)
         with torch.set_grad_enabled(track_grad and self.requires_grad):
-            chunks = self._full.split(self._split_sizes)
+            if torch.is_grad_enabled() and self.separate_full:
+                chunks = _SplitWithPooledGrad.apply(self._full, self._split_sizes, self.pool)
+            else:
+                chunks = self._full.split(self._split_sizes)
             if self.orig is not None:
                 views = self.orig.compute_views(chunks, [info.shape for info in self.param_infos], track_grad)
             else:
@@ -548,7 +555,7 @@ class FlatParamHandle:
         if hook is not None:
             hook[0](hook[1], grad, shard_grad)
             return Pending(None), shard_grad
-        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True), shard_grad
+        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True, buffers=self.pool), shard_grad
 
     def _grad_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.flat_param.device
@@ -564,6 +571,11 @@ class FlatParamHandle:
 
     def _accumulate(self, reduction: "_Reduction") -> None:
         reduction.pending.wait()
+        if self.sharded and self._comm_hook is None and not reduction.full.requires_grad:
+            # Nothing else can see the full gradient (autograd gave it up to reduce_grad; no
+            # user hook saw it; it is not part of a create_graph graph): its memory can serve
+            # the next gather or reduction buffer.
+            self.pool.give(reduction.full)
         shard_grad = reduction.reduced
         if self.replicate is not None and self.replicate.world_size > 1:
             self.replicate.all_reduce_mean(shard_grad)
@@ -664,6 +676,42 @@ class _Reduction:
     def is_placeholder(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the untouched placeholder."""
         return self.placeholder is not None and grad is self.placeholder[0] and grad._version == self.placeholder[1]
+
+
+class _SplitWithPooledGrad(torch.autograd.Function):
+    """``full.split(sizes)`` whose backward assembles the full gradient in pooled memory.
+
+    [Note: pooled full gradients] The backward of a split concatenates the pieces' gradients
+    into a new tensor as large as the unit -- on the CPU, megabytes of freshly faulted pages
+    per unit and backward. Here the concatenation writes into memory from the root's
+    ``BufferPool`` instead (the full gradient of the unit reduced before, or a freed gather),
+    which autograd then takes over as the full tensor's ``.grad`` without copying. A backward
+    that builds a graph (``create_graph=True``) gets the plain, differentiable concatenation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, sizes: List[int], pool: BufferPool) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.sizes = sizes
+        ctx.pool = pool
+        ctx.set_materialize_grads(False)
+        return full.split(sizes)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
+        like = next((g for g in grads if g is not None), None)
+        if like is None:
+            return None, None, None
+        numel = sum(ctx.sizes)
+        if torch.is_grad_enabled():
+            pieces = [g.reshape(-1) if g is not None else like.new_zeros(n) for g, n in zip(grads, ctx.sizes)]
+            return torch.cat(pieces), None, None
+        out = ctx.pool.new(numel, like.dtype, like.device)
+        for piece, grad in zip(out.split(ctx.sizes), grads):  # (the pieces' gradients are 1-D)
+            if grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(grad)
+        return out, None, None
 
 
 def storage_key_of(tensor: torch.Tensor) -> Optional[int]:
