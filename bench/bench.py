@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
     times: List[float] = []
-    sent = 0
+    sent = faults = 0
 
     def one_step() -> None:
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
@@ -124,6 +124,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         if step == cfg["warmup"]:
             dist.barrier()
             sent = _loopback_bytes()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         dist.barrier()
         start = time.perf_counter()
         one_step()
@@ -133,9 +134,14 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
             times.append(elapsed.item())
     dist.barrier()
     sent = _loopback_bytes() - sent
+    faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)])
+    dist.all_reduce(faults, op=dist.ReduceOp.MAX)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    result = {"label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world}
+    result = {
+        "label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world,
+        "faults_per_step": faults.item() / cfg["steps"],
+    }
     if cfg["profile"] and impl == "flatshard":
         result["profile"] = _profile(rank, one_step, cfg, statistics.median(times), result["bytes_per_step"])
     if rank == 0:
@@ -175,13 +181,13 @@ def _size(nbytes: float) -> str:
 
 def table(results: Dict[str, Dict[str, Any]], reference: str = "flatshard") -> str:
     lines = [
-        f"| implementation | median step (s) | peak RSS / rank | sent / rank / step | {reference} / it: step | memory | bytes |",
-        "|---|---|---|---|---|---|---|",
+        f"| implementation | median step (s) | peak RSS / rank | sent / rank / step | page faults / rank / step | {reference} / it: step | memory | bytes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ref = results[reference]
     for label, r in results.items():
         lines.append(
-            f"| {label} | {r['median']:.3f} | {_size(r['peak_rss'])} | {_size(r['bytes_per_step'])} | "
+            f"| {label} | {r['median']:.3f} | {_size(r['peak_rss'])} | {_size(r['bytes_per_step'])} | {r['faults_per_step']:,.0f} | "
             f"{ref['median'] / r['median']:.2f} | {ref['peak_rss'] / r['peak_rss']:.2f} | "
             f"{ref['bytes_per_step'] / max(r['bytes_per_step'], 1):.2f} |"
         )
@@ -256,6 +262,7 @@ def main() -> None:
             "median": statistics.median(t for r in runs for t in r["times"]),
             "peak_rss": max(r["peak_rss"] for r in runs),
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in runs),
+            "faults_per_step": statistics.median(r.get("faults_per_step", 0.0) for r in runs),
         }
         for label, runs in collected.items()
     }

@@ -1,14 +1,15 @@
 """Reusing the memory of a root's large per-step CPU buffers.
 
 [Note: buffer pool] Every step, a sharded unit allocates its full flat tensor twice (forward
-and backward gather) and frees it twice, and each gradient reduction needs a receive buffer
-as large as the unit. On the CPU these are allocations of megabytes: the C allocator serves
-them with fresh pages from the kernel and returns them on free, so every step first-touches
-(page-faults) each byte again -- tens of thousands of faults a step on a small model, a
-measurable share of the step on a machine whose cores also do the communication (see
-bench/RESULTS.md). The pool keeps memory that was just given up for the next request of the
-same size, up to a byte limit of about two units, so the steady state allocates nothing
-while never holding more than two idle units' worth.
+and backward gather) and frees it twice, autograd assembles a full gradient for it, and its
+reduction needs a receive buffer as large as the unit. On the CPU these are allocations of
+megabytes: the C allocator serves them with fresh pages from the kernel and returns them on
+free, so every step first-touches (page-faults) each byte again -- tens of thousands of faults
+a step on a small model, a measurable share of the step on a machine whose cores also do the
+communication (see bench/RESULTS.md). The root's pool keeps memory just given up (a freed
+gather, a reduced full gradient, a used receive buffer) for the next request of the same size,
+holding at most two of the root's largest units idle: forwards after the first gather into
+memory the step before gave up, and a backward allocates only what it needs beyond that.
 
 A full flat tensor must keep its storage *object* across a free (autograd saved views of it,
 see [Note: storage freeing] in ``_common``); the pool moves only the memory in and out of
@@ -19,7 +20,7 @@ free.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -48,7 +49,7 @@ class BufferPool:
     def _pooling(self, device: torch.device) -> bool:
         return _CAN_SWAP and device.type == "cpu" and self.limit_bytes > 0
 
-    def _take(self, device: torch.device, nbytes: int) -> "torch.UntypedStorage | None":
+    def _take(self, device: torch.device, nbytes: int) -> Optional[torch.UntypedStorage]:
         key = (device, nbytes)
         for i in range(len(self._idle) - 1, -1, -1):
             if self._idle[i][0] == key:

@@ -45,6 +45,15 @@ def test_benchmark_script_runs_and_prints_the_comparison():
     assert len(rows) == 2, out
 
 
+def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():
+    out = _run([sys.executable, str(ROOT / "bench" / "memory.py"), "--world-sizes", "2"])
+    row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == cells[5], row  # params + grads + AdamW state == 4 x total / 2
+    gathered_units = float(cells[6].split("(")[1].rstrip(")"))
+    assert gathered_units <= 3.0, row  # the root, the unit computing and the prefetched one
+
+
 def _losses(out):
     return {line.split()[1]: line.split()[3] for line in out.splitlines() if line.startswith("step")}
 

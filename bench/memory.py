@@ -1,0 +1,124 @@
+"""Per-rank memory of parameters, gradients and optimizer state against the world size.
+
+    python bench/memory.py                     # the default shape, world sizes 1-4
+    python bench/memory.py --shape wide --world-sizes 2,4
+
+For flatshard (default configuration) each rank trains the benchmark model for two steps and
+reports, in MiB: the bytes of its parameter shards, of their gradients and of the AdamW state
+(counted from the tensors themselves after a step), the most full flat tensors it held gathered
+at any moment of the second step (sampled after every aten op by a dispatch mode, so it is
+exact at op granularity) and the idle memory its buffer pool held at the end. The expectation is
+parameters + gradients + optimizer state = 4 × total / N (AdamW: parameter, gradient and
+two moments; plus padding) and gathered at most the
+prefetch limit of full units (the unit computing and the one prefetched, plus the root, which
+FULL_SHARD keeps between its forward and backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+MIB = 2**20
+
+
+class _GatheredPeak(TorchDispatchMode):
+    """After every aten op: the bytes of all full flat tensors currently allocated, alone
+    and with the idle memory of the buffer pool."""
+
+    def __init__(self, handles: List[Any], pool: Any) -> None:
+        super().__init__()
+        self.handles = handles
+        self.pool = pool
+        self.peak = 0
+        self.peak_with_idle = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        gathered = sum(h.full_storage_bytes() for h in self.handles)
+        self.peak = max(self.peak, gathered)
+        self.peak_with_idle = max(self.peak_with_idle, gathered + self.pool.held_bytes)
+        return out
+
+
+def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) -> None:
+    import bench
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    example = bench._example()
+    torch.manual_seed(0)
+    model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
+    if cfg["untied"]:
+        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = bench._wrap("flatshard", model, example.TransformerBlock, {})
+    handles = [h for m in model.modules() if hasattr(m, "_unit") for h in m._unit.handles]
+    largest = max(h.padded_numel * h.compute_dtype.itemsize for h in handles)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    tracker = None
+    for step in range(2):
+        if step == 1:  # (the pool exists once the root ran its first forward)
+            tracker = _GatheredPeak(handles, model._unit.ctx.buffers)
+        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
+        with tracker if step == 1 else contextlib.nullcontext():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    idle = model._unit.ctx.buffers.held_bytes
+    row = torch.tensor([params, grads, state, tracker.peak, tracker.peak_with_idle, idle], dtype=torch.float64)
+    dist.all_reduce(row, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        torch.save({"total": total, "largest": largest, "row": row.tolist()}, out)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import bench
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="default")
+    p.add_argument("--world-sizes", default="1,2,3,4")
+    args = p.parse_args()
+    cfg = dict(layers=8, dim=256, heads=4, batch=8, seq=128, vocab=4096, untied=False)
+    cfg.update(bench.SHAPES[args.shape])
+    print(f"shape {args.shape}: {cfg}")
+    print("| world size | params | grads | AdamW state | sum | 4 × total / N | gathered at most (in largest units) | gathered + idle pool at most | idle pool after the step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world in [int(w) for w in args.world_sizes.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = f"{tmp}/out.pt"
+            mp.spawn(_rank, args=(world, f"{tmp}/init", cfg, out), nprocs=world)
+            res = torch.load(out)
+        params, grads, state, gathered, with_idle, idle = res["row"]
+        total, largest = res["total"], res["largest"]
+        held = params + grads + state
+        print(
+            f"| {world} | {params / MIB:.1f} | {grads / MIB:.1f} | {state / MIB:.1f} | {held / MIB:.1f} | "
+            f"{4 * total / world / MIB:.1f} | {gathered / MIB:.1f} MiB ({gathered / largest:.2f}) | "
+            f"{with_idle / MIB:.1f} MiB ({with_idle / largest:.2f}) | {idle / MIB:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
