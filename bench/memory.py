@@ -17,7 +17,6 @@ FULL_SHARD keeps between its forward and backward).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -71,17 +70,19 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     largest = max(h.padded_numel * h.compute_dtype.itemsize for h in handles)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)
-    tracker = None
-    for step in range(2):
-        if step == 1:  # (the pool exists once the root ran its first forward)
-            tracker = _GatheredPeak(handles, model._unit.ctx.buffers)
+
+    def one_step() -> None:
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
-        with tracker if step == 1 else contextlib.nullcontext():
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+
+    one_step()
+    tracker = _GatheredPeak(handles, model._unit.ctx.buffers)  # (the pool exists after a forward)
+    with tracker:
+        one_step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)

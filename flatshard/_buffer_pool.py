@@ -82,14 +82,14 @@ class BufferPool:
 
     def empty(self, tensor: torch.Tensor) -> None:
         """Take the memory away from ``tensor``'s storage (keeping the storage object), into
-        the pool if it has room."""
+        the pool if it has room (else it is freed)."""
         storage = tensor.untyped_storage()
-        if self._pooling(tensor.device) and storage.nbytes() <= self.limit_bytes:
-            block = torch.UntypedStorage(0, device=tensor.device)
-            block._swap_data_ptr_(storage)
-            self._keep(block)
+        if not self._pooling(tensor.device):
+            storage.resize_(0)
             return
-        storage.resize_(0)
+        block = torch.UntypedStorage(0, device=tensor.device)
+        block._swap_data_ptr_(storage)
+        self._keep(block)  # (a block not kept is freed with its last reference, here)
 
     def new(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised 1-D tensor, on idle memory if there is some of exactly its size.

@@ -692,6 +692,7 @@ class _SplitWithPooledGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, full: torch.Tensor, sizes: List[int], pool: BufferPool) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.sizes = sizes
+        ctx.numel = full.numel()
         ctx.pool = pool
         ctx.set_materialize_grads(False)
         return full.split(sizes)
@@ -701,12 +702,12 @@ class _SplitWithPooledGrad(torch.autograd.Function):
         like = next((g for g in grads if g is not None), None)
         if like is None:
             return None, None, None
-        numel = sum(ctx.sizes)
+        # (the pieces, and so their gradients, are 1-D)
         if torch.is_grad_enabled():
-            pieces = [g.reshape(-1) if g is not None else like.new_zeros(n) for g, n in zip(grads, ctx.sizes)]
+            pieces = [g if g is not None else like.new_zeros(n) for g, n in zip(grads, ctx.sizes)]
             return torch.cat(pieces), None, None
-        out = ctx.pool.new(numel, like.dtype, like.device)
-        for piece, grad in zip(out.split(ctx.sizes), grads):  # (the pieces' gradients are 1-D)
+        out = ctx.pool.new(ctx.numel, like.dtype, like.device)
+        for piece, grad in zip(out.split(ctx.sizes), grads):
             if grad is None:
                 piece.zero_()
             else:

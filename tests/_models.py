@@ -204,9 +204,10 @@ def make_optim(params: Any, weight_decay: float = 0.01) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
 
 
-def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, rank: Optional[int]) -> List[float]:
+def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, rank: Optional[int], create_graph: bool = False) -> List[float]:
     """AdamW training; ``rank is None``: the plain model on global batches, else the wrapped
-    model on this rank's slices, all micro-batches but the last under ``no_sync``."""
+    model on this rank's slices, all micro-batches but the last under ``no_sync``;
+    ``create_graph``: backwards build a graph of the gradients (dropped before the step)."""
     optim = make_optim(model.parameters())
     losses = []
     for step in range(steps):
@@ -219,17 +220,21 @@ def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, ra
             syncing = rank is None or micro == micro_batches - 1
             with contextlib.nullcontext() if syncing else model.no_sync():
                 loss = lm_loss(model(tokens), targets) / micro_batches
-                loss.backward()
+                loss.backward(create_graph=create_graph)
             total += loss.item() if rank is None else global_mean(loss)
+        if create_graph:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.detach()
         optim.step()
         losses.append(total)
     return losses
 
 
-def train_reference(world_size: int, steps: int = 5, micro_batches: int = 1, **model_kwargs: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def train_reference(world_size: int, steps: int = 5, micro_batches: int = 1, create_graph: bool = False, **model_kwargs: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """Single-process training on the global batches: (losses, parameters by name)."""
     model = build(**model_kwargs)
-    losses = _train(model, world_size, steps, micro_batches, None)
+    losses = _train(model, world_size, steps, micro_batches, None, create_graph)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -246,11 +251,12 @@ def train_wrapped(
     steps: int = 5,
     micro_batches: int = 1,
     model_kwargs: Optional[Dict[str, Any]] = None,
+    create_graph: bool = False,
     **options: Any,
 ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """The same training, sharded: (global losses, full parameters by name)."""
     model = wrap(build(**(model_kwargs or {})), mode, **options)
-    losses = _train(model, world_size, steps, micro_batches, rank)
+    losses = _train(model, world_size, steps, micro_batches, rank, create_graph)
     return losses, full_params(model)
 
 
@@ -297,10 +303,11 @@ def strategy(name: str) -> ShardingStrategy:
     return ShardingStrategy[name]
 
 
-def run_parity(rank: int, world_size: int, mode: str, steps: int = 5, micro_batches: int = 1, **options: Any) -> None:
+def run_parity(rank: int, world_size: int, mode: str, steps: int = 5, micro_batches: int = 1, create_graph: bool = False, **options: Any) -> None:
     """Rank function: train sharded and compare with the single-process reference in place."""
-    reference = train_reference(world_size, steps=steps, micro_batches=micro_batches)
-    assert_same_training(reference, train_wrapped(rank, world_size, mode, steps=steps, micro_batches=micro_batches, **options))
+    reference = train_reference(world_size, steps=steps, micro_batches=micro_batches, create_graph=create_graph)
+    actual = train_wrapped(rank, world_size, mode, steps=steps, micro_batches=micro_batches, create_graph=create_graph, **options)
+    assert_same_training(reference, actual)
 
 
 

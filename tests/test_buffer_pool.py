@@ -5,15 +5,12 @@ that training through the pooled gradient path stays identical to single-process
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 from expecttest import TestCase
-from torch import nn
-
-from flatshard import ShardedDataParallel
 from flatshard._buffer_pool import BufferPool
-from tests._models import ATOL, RTOL, batch, build, full_params, global_mean, lm_loss, local, make_optim, wrap
+from tests._models import batch, build, lm_loss, local, make_optim, run_parity, wrap
 
 CPU = torch.device("cpu")
 
@@ -98,36 +95,6 @@ def _pool_counts(rank: int, world_size: int, steps: int) -> List[Tuple[int, ...]
     return counts
 
 
-def _train(rank: Any, world_size: int, steps: int, create_graph: bool) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    model: nn.Module = build() if rank is None else wrap(build(), "nested")
-    optim = make_optim(model.parameters())
-    losses = []
-    for step in range(steps):
-        tokens, targets = batch(step, world_size)
-        if rank is not None:
-            tokens, targets = local(tokens, rank), local(targets, rank)
-        optim.zero_grad(set_to_none=True)
-        loss = lm_loss(model(tokens), targets)
-        loss.backward(create_graph=create_graph)
-        if create_graph:  # (the graph of the gradients is not used: drop it before stepping)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad = p.grad.detach()
-        optim.step()
-        losses.append(loss.item() if rank is None else global_mean(loss))
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return losses, params if rank is None else full_params(model)
-
-
-def _parity(rank: int, world_size: int, create_graph: bool) -> bool:
-    expected = _train(None, world_size, 3, create_graph)
-    actual = _train(rank, world_size, 3, create_graph)
-    torch.testing.assert_close(torch.tensor(actual[0]), torch.tensor(expected[0]), rtol=RTOL, atol=ATOL)
-    for name, value in expected[1].items():
-        torch.testing.assert_close(actual[1][name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    return True
-
-
 class PooledTrainingTest(TestCase):
     def test_later_forwards_gather_into_idle_memory_and_backward_reuses_it(self) -> None:
         for counts in self.pool.run(_pool_counts, 2, 4):
@@ -139,9 +106,10 @@ class PooledTrainingTest(TestCase):
             self.assertTrue(all(n > 0 for n in backward_reused), backward_reused)
             self.assertEqual(within, (1, 1, 1, 1))
 
+    # (run_parity raises on the ranks, failing the test, unless training matches)
     def test_training_equals_single_process_training(self) -> None:
-        self.assertEqual(self.pool.run(_parity, 2, False), [True, True])
-        self.assertEqual(self.pool.run(_parity, 3, False), [True] * 3)
+        self.pool.run(run_parity, 2, "nested", steps=3)
+        self.pool.run(run_parity, 3, "nested", steps=3)
 
     def test_a_backward_that_builds_a_graph_trains_like_single_process(self) -> None:
-        self.assertEqual(self.pool.run(_parity, 2, True), [True, True])
+        self.pool.run(run_parity, 2, "nested", steps=3, create_graph=True)
