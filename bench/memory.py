@@ -17,6 +17,7 @@ FULL_SHARD keeps between its forward and backward).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -91,6 +92,8 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if rank == 0:
         torch.save({"total": total, "largest": largest, "row": row.tolist()}, out)
+    del model, optim, one_step, tracker, handles
+    gc.collect()  # before the process group goes (gloo can abort at exit otherwise, as in bench.py)
     dist.destroy_process_group()
 
 
