@@ -8,7 +8,14 @@ with AdamW at world size 2. Every implementation runs in fresh rank processes (s
 is its own), in an order that alternates between rounds; per implementation the script prints
 the median step time (slowest rank per step), the peak resident memory of the largest rank, and
 the bytes each rank sends per step (loopback traffic during the measured steps, divided by
-steps and ranks), then the ratios of flatshard to the others.
+steps and ranks), the page faults per rank and step, where the CPU time went (per rank and
+step: the thread that runs the step, and all other threads, which are gloo's communication
+threads), how busy the machine's cores were, then the ratios of flatshard to the others.
+
+The CPU columns show what a step costs when the ranks share the cores: a step cannot take
+less than all ranks' CPU time divided by the cores, so with the cores close to fully busy,
+any CPU a collective spends (copying bytes through loopback) is time the step takes, even
+when the collective overlaps with compute.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -96,6 +104,30 @@ def _loopback_bytes() -> int:
     return 0
 
 
+def _thread_cpu() -> Dict[int, int]:
+    """CPU nanoseconds each thread of this process has run (Linux; empty elsewhere)."""
+    times: Dict[int, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                times[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # (the thread ended meanwhile)
+    return times
+
+
+def _cpu_split(before: Dict[int, int], after: Dict[int, int], steps: int) -> List[float]:
+    """[seconds per step of the thread running the steps, of all other threads]."""
+    me = threading.get_native_id()
+    main = (after.get(me, 0) - before.get(me, 0)) / 1e9
+    others = sum(ns - before.get(tid, 0) for tid, ns in after.items() if tid != me) / 1e9
+    return [main / steps, others / steps]
+
+
 def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any], out: str) -> None:
     if options.get("flatshard_path"):  # another checkout's flatshard (--baseline)
         sys.path.insert(0, options["flatshard_path"])
@@ -111,6 +143,8 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     gen = torch.Generator().manual_seed(1000 + rank)
     times: List[float] = []
     sent = faults = 0
+    cpu_before: Dict[int, int] = {}
+    started = 0.0
 
     def one_step() -> None:
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
@@ -125,6 +159,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
             dist.barrier()
             sent = _loopback_bytes()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            cpu_before, started = _thread_cpu(), time.perf_counter()
         dist.barrier()
         start = time.perf_counter()
         one_step()
@@ -133,6 +168,9 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         if step >= cfg["warmup"]:
             times.append(elapsed.item())
     dist.barrier()
+    wall = time.perf_counter() - started
+    cpu = torch.tensor(_cpu_split(cpu_before, _thread_cpu(), cfg["steps"]))
+    dist.all_reduce(cpu)  # summed over ranks
     sent = _loopback_bytes() - sent
     faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)])
     dist.all_reduce(faults, op=dist.ReduceOp.MAX)
@@ -141,6 +179,9 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     result = {
         "label": label, "times": times, "peak_rss": peak.item(), "bytes_per_step": sent / cfg["steps"] / world,
         "faults_per_step": faults.item() / cfg["steps"],
+        # per rank and step, averaged over the ranks; and the share of the cores' time in use
+        "cpu_main": cpu[0].item() / world, "cpu_other": cpu[1].item() / world,
+        "busy": cpu.sum().item() * cfg["steps"] / ((os.cpu_count() or 1) * wall) if wall > 0 else 0.0,
     }
     if cfg["profile"] and impl == "flatshard":
         result["profile"] = _profile(rank, one_step, cfg, statistics.median(times), result["bytes_per_step"])
@@ -181,13 +222,15 @@ def _size(nbytes: float) -> str:
 
 def table(results: Dict[str, Dict[str, Any]], reference: str = "flatshard") -> str:
     lines = [
-        f"| implementation | median step (s) | peak RSS / rank | sent / rank / step | page faults / rank / step | {reference} / it: step | memory | bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| implementation | median step (s) | peak RSS / rank | sent / rank / step | page faults / rank / step "
+        f"| CPU / rank / step: step thread + gloo threads | cores busy | {reference} / it: step | memory | bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ref = results[reference]
     for label, r in results.items():
         lines.append(
             f"| {label} | {r['median']:.3f} | {_size(r['peak_rss'])} | {_size(r['bytes_per_step'])} | {r['faults_per_step']:,.0f} | "
+            f"{r['cpu_main'] * 1e3:.0f} + {r['cpu_other'] * 1e3:.0f} ms | {r['busy']:.0%} | "
             f"{ref['median'] / r['median']:.2f} | {ref['peak_rss'] / r['peak_rss']:.2f} | "
             f"{ref['bytes_per_step'] / max(r['bytes_per_step'], 1):.2f} |"
         )
@@ -263,6 +306,7 @@ def main() -> None:
             "peak_rss": max(r["peak_rss"] for r in runs),
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in runs),
             "faults_per_step": statistics.median(r.get("faults_per_step", 0.0) for r in runs),
+            **{key: statistics.median(r[key] for r in runs) for key in ("cpu_main", "cpu_other", "busy")},
         }
         for label, runs in collected.items()
     }
