@@ -41,15 +41,19 @@ _COPY_OPS = {"copy_", "add_", "add", "div_", "zero_", "to", "clone", "cat", "fil
 
 
 def loopback_bandwidth(nbytes: int = 64 * 2**20) -> float:
-    """Bytes per second one rank sends in a large gloo all-gather (the machine's loopback)."""
+    """Bytes per second one rank sends in a large all-gather over the machine's loopback, done
+    the way flatshard does it (``Communicator.all_gather``)."""
+    from flatshard._collectives import Communicator
+
+    comm = Communicator(dist.group.WORLD)
     world = dist.get_world_size()
     shard = torch.ones(nbytes // 4 // world, dtype=torch.float32)
-    out = [torch.empty_like(shard) for _ in range(world)]
-    dist.all_gather(out, shard)  # warm up
+    out = torch.empty(shard.numel() * world)
+    comm.all_gather(out, shard)  # warm up
     dist.barrier()
     start = time.perf_counter()
     for _ in range(3):
-        dist.all_gather(out, shard)
+        comm.all_gather(out, shard)
     elapsed = (time.perf_counter() - start) / 3
     return shard.numel() * 4 * (world - 1) / elapsed
 

@@ -158,9 +158,14 @@ class Communicator:
             work = _all_gather_flat(output, shard, group=self.group, async_op=True)
         return _maybe_wait(Pending(work), async_op)
 
-    def _pairwise(self, *tensors: torch.Tensor) -> bool:
-        """Whether the two-rank exchange applies (see [Note: pair exchange])."""
-        return self.gloo and self.world_size == 2 and all(t.dim() == 1 and t.is_contiguous() for t in tensors)
+    def _pairwise(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
+        """Whether the two-rank exchange applies to ``whole`` (all chunks) and ``part`` (one
+        chunk): see [Note: pair exchange]. Anything else takes the general path, which also
+        reports mismatched sizes."""
+        return (
+            self.gloo and self.world_size == 2 and whole.numel() == 2 * part.numel()
+            and all(t.dim() == 1 and t.is_contiguous() for t in (whole, part))
+        )
 
     def _swap_with_peer(self, received: torch.Tensor, sent: torch.Tensor) -> Any:
         """Two ranks: send ``sent`` to the peer and receive its equally long chunk into ``received``."""
@@ -184,7 +189,7 @@ class Communicator:
             return Pending(None)
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
-        if self._pairwise(output, full):
+        if self._pairwise(full, output):
             return self._reduce_with_peer(output, full, divisor, async_op, buffers)
         if self.gloo:
             received = buffers.new(full.numel(), full.dtype, full.device) if buffers is not None else torch.empty_like(full)

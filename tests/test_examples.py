@@ -43,6 +43,11 @@ def test_benchmark_script_runs_and_prints_the_comparison():
     out = _run([sys.executable, bench, *tiny])
     rows = [line for line in out.splitlines() if line.startswith("| flatshard") or line.startswith("| fsdp1")]
     assert len(rows) == 2, out
+    assert "| CPU / rank / step: step thread + gloo threads | cores busy |" in out, out
+    for row in rows:  # the step thread's and gloo's CPU per rank and step, and the cores' use
+        cpu, busy = [c.strip() for c in row.strip("|").split("|")][5:7]
+        step_thread, gloo = (float(part.split()[0]) for part in cpu.split("+"))
+        assert step_thread > 0 and gloo >= 0 and 0 < float(busy.rstrip("%")) <= 100, row
 
 
 def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():
