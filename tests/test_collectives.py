@@ -1,7 +1,7 @@
 """The collectives of ``flatshard._collectives`` on gloo, checked value by value: the two-rank
 chunk swap ([Note: pair exchange]) and the general paths from three ranks on give every rank
-the same all-gather and the same reduced chunk, synchronously and in flight, with and without
-pooled scratch memory, for floats and for the bytes object collectives send."""
+every shard in rank order and its own chunk of the sum or mean, synchronously and in flight,
+with and without pooled scratch memory, for floats and for the bytes object collectives send."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
     in_flight = torch.full((5 * world_size,), -1.0)
     pending = comm.all_gather(in_flight, shard, async_op=True)
     pending.wait()
-    # every rank's full tensor differs; rank r's chunk c holds 100 * r + c + position
+    # every rank's full tensor differs: element p of rank r's is 100 * r + p
     full = torch.arange(4.0 * world_size) + 100 * rank
     means = []
     for buffers in (None, BufferPool(limit_bytes=1 << 20)):
