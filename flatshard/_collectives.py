@@ -160,8 +160,9 @@ class Communicator:
 
     def _pairwise(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
         """Whether the two-rank exchange applies to ``whole`` (all chunks) and ``part`` (one
-        chunk): see [Note: pair exchange]. Anything else takes the general path, which also
-        reports mismatched sizes."""
+        chunk): see [Note: pair exchange]. Anything else takes the general path, whose checks
+        report a rank's own mismatched sizes (sizes that differ between ranks are not detected
+        on either path)."""
         return (
             self.gloo and self.world_size == 2 and whole.numel() == 2 * part.numel()
             and all(t.dim() == 1 and t.is_contiguous() for t in (whole, part))

@@ -665,8 +665,13 @@ class FlatParamHandle:
 @dataclass
 class _Reduction:
     """A gradient reduction in flight: the collective, the tensor receiving this rank's part,
-    the full gradient it reduces (kept alive until the collective completes) and the
-    placeholder ``.grad`` made for it with its version then (``None`` if ``.grad`` existed)."""
+    the full gradient it reduces and the placeholder ``.grad`` made for it with its version
+    then (``None`` if ``.grad`` existed).
+
+    The full gradient must stay alive and unchanged until ``pending.wait()`` has returned, not
+    only until the collective completes: with two ranks on gloo the finishing step reads this
+    rank's own chunk from it ([Note: pair exchange]). So it goes back to the pool only after
+    the wait, and a drained (abandoned) reduction never returns it."""
 
     pending: Pending
     reduced: torch.Tensor
