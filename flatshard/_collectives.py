@@ -147,9 +147,9 @@ class Communicator:
         sent = shard.numel() * shard.element_size() * (self.world_size - 1)
         if self._pairwise(output, shard):
             self._note("all_gather", "all_to_all_single", sent, check)
-            peer_part = output.chunk(2)[1 - self.rank]
-            work = self._swap_with_peer(peer_part, shard)
-            output.chunk(2)[self.rank].copy_(shard)
+            halves = output.chunk(2)
+            work = self._swap_with_peer(halves[1 - self.rank], shard)
+            halves[self.rank].copy_(shard)
         elif self.gloo:
             self._note("all_gather", "all_gather", sent, check)
             work = dist.all_gather(list(output.chunk(self.world_size)), shard, group=self.group, async_op=True)
@@ -190,17 +190,25 @@ class Communicator:
             return Pending(None)
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
-        if self._pairwise(full, output):
-            return self._reduce_with_peer(output, full, divisor, async_op, buffers)
         if self.gloo:
-            received = buffers.new(full.numel(), full.dtype, full.device) if buffers is not None else torch.empty_like(full)
-            work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
+            if self._pairwise(full, output):
+                # Two ranks swap the chunk the peer keeps for the one we keep ([Note: pair
+                # exchange]); detached, as under ``backward(create_graph=True)`` the gradient
+                # requires grad while the reduced shard is data, as what gloo hands back is.
+                halves = full.detach().chunk(2)
+                ours, theirs = halves[self.rank], halves[1 - self.rank]
+                received = _scratch(buffers, ours)
+                work = self._swap_with_peer(received, theirs)
+                parts: Sequence[torch.Tensor] = (ours, received)
+            else:
+                received = _scratch(buffers, full)
+                work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
+                parts = received.chunk(world)  # chunk r: what rank r holds of our part
 
             def finish() -> None:
-                chunks = received.chunk(world)  # chunk r: what rank r holds of our part
-                torch.add(chunks[0], chunks[1], out=output)
-                for chunk in chunks[2:]:
-                    output.add_(chunk)
+                torch.add(parts[0], parts[1], out=output)
+                for part in parts[2:]:
+                    output.add_(part)
                 if divisor != 1:
                     output.div_(divisor)
                 if buffers is not None:
@@ -209,23 +217,6 @@ class Communicator:
             return _maybe_wait(Pending(work, finish), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _maybe_wait(Pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
-
-    def _reduce_with_peer(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool, buffers: Optional[BufferPool]) -> Pending:
-        """Two ranks: swap the chunk the peer keeps for the one we keep, then add ours."""
-        # (detached: under ``backward(create_graph=True)`` the gradient requires grad, and the
-        # reduced shard is data, as what gloo hands back is)
-        ours, theirs = full.detach().chunk(2)[self.rank], full.detach().chunk(2)[1 - self.rank]
-        received = buffers.new(ours.numel(), full.dtype, full.device) if buffers is not None else torch.empty_like(ours)
-        work = self._swap_with_peer(received, theirs)
-
-        def finish() -> None:
-            torch.add(ours, received, out=output)
-            if divisor != 1:
-                output.div_(divisor)
-            if buffers is not None:
-                buffers.give(received)
-
-        return _maybe_wait(Pending(work, finish), async_op)
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
@@ -260,6 +251,14 @@ class Communicator:
         everyone = torch.empty(self.world_size, dtype=torch.int64, device=device)
         self.all_gather(everyone, mine, check=True)
         return [int(v) for v in everyone.tolist()]
+
+
+def _scratch(buffers: Optional[BufferPool], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like 1-D ``like``, from ``buffers`` when given (to be
+    given back once used)."""
+    if buffers is None:
+        return torch.empty_like(like)
+    return buffers.new(like.numel(), like.dtype, like.device)
 
 
 def _maybe_wait(pending: Pending, async_op: bool) -> Pending:
