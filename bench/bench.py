@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -95,6 +95,30 @@ def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str,
     )
 
 
+def build_model(example: Any, cfg: Dict[str, Any]) -> torch.nn.Module:
+    """The benchmark's GPT of shape ``cfg``, unwrapped, with the same weights on every rank."""
+    torch.manual_seed(0)
+    model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
+    if cfg["untied"]:
+        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    return model
+
+
+def training_step(model: torch.nn.Module, optim: torch.optim.Optimizer, cfg: Dict[str, Any], rank: int) -> Callable[[], None]:
+    """One training step on a new random batch of this rank's own stream."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    def one_step() -> None:
+        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+
+    return one_step
+
+
 def _loopback_bytes() -> int:
     with open("/proc/net/dev") as f:
         for line in f:
@@ -134,25 +158,13 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     example = _example()
-    torch.manual_seed(0)
-    model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
-    if cfg["untied"]:
-        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
-    model = _wrap(impl, model, example.TransformerBlock, options)
+    model = _wrap(impl, build_model(example, cfg), example.TransformerBlock, options)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
+    one_step = training_step(model, optim, cfg, rank)
     times: List[float] = []
     sent = faults = 0
     cpu_before: Dict[int, int] = {}
     started = 0.0
-
-    def one_step() -> None:
-        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
 
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:

@@ -26,7 +26,6 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,24 +60,13 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     example = bench._example()
-    torch.manual_seed(0)
-    model = example.GPT(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
-    if cfg["untied"]:
-        model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    model = bench.build_model(example, cfg)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model = bench._wrap("flatshard", model, example.TransformerBlock, {})
     handles = [h for m in model.modules() if hasattr(m, "_unit") for h in m._unit.handles]
     largest = max(h.padded_numel * h.compute_dtype.itemsize for h in handles)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1000 + rank)
-
-    def one_step() -> None:
-        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
+    one_step = bench.training_step(model, optim, cfg, rank)
 
     one_step()
     tracker = _GatheredPeak(handles, model._unit.ctx.buffers)  # (the pool exists after a forward)
