@@ -11,6 +11,9 @@ EXTRAS_REQUIRE = {
     # Hugging Face models (tests/test_hf.py, examples/finetune_hf.py). transformers does not
     # require torch, so it never replaces the torch build already installed.
     "hf": ["transformers>=5.0"],
+    # The benchmark's DeepSpeed ZeRO-3 row (bench/bench.py --variants ...,deepspeed). DeepSpeed
+    # requires torch unpinned, so the torch build already installed stays.
+    "deepspeed": ["deepspeed"],
 }
 
 setup(

@@ -11,6 +11,9 @@ the bytes each rank sends per step (loopback traffic during the measured steps, 
 steps and ranks), the page faults per rank and step, where the CPU time went (per rank and
 step: the thread that runs the step, and all other threads, which are gloo's communication
 threads), how busy the machine's cores were, then the ratios of flatshard to the others.
+A second table splits each phase of a step (forward with the loss, backward, optimizer step)
+into the step thread's time on a core, runnable but waiting for a core, and asleep (see
+[Note: where the wall time goes]).
 
 The CPU columns show what a step costs when the ranks share the cores: a step cannot take
 less than all ranks' CPU time divided by the cores, so with the cores close to fully busy,
@@ -42,8 +45,6 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-IMPLS = ("flatshard", "fsdp1", "fsdp2", "ddp")
 
 
 def _example():
@@ -104,19 +105,97 @@ def build_model(example: Any, cfg: Dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def training_step(model: torch.nn.Module, optim: torch.optim.Optimizer, cfg: Dict[str, Any], rank: int) -> Callable[[], None]:
-    """One training step on a new random batch of this rank's own stream."""
+def _deepspeed(model: torch.nn.Module, cfg: Dict[str, Any], rank: int) -> Any:
+    """``model`` under DeepSpeed ZeRO stage 3 on its CPU accelerator, over the gloo group
+    already set up, with torch's AdamW (the other rows' optimizer) and DeepSpeed's defaults
+    otherwise; returns the engine, which runs the backward and the optimizer step."""
+    import logging
+    import warnings
+
+    world = dist.get_world_size()
+    # DeepSpeed reads the launcher's variables even when torch.distributed is initialised.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # (its deprecated collective names)
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    config = {
+        "train_micro_batch_size_per_gpu": cfg["batch"], "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+    }
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optim, config=config)
+    return engine
+
+
+def training_step(
+    model: torch.nn.Module, optim: Any, cfg: Dict[str, Any], rank: int,
+    mark: Callable[[str], None] = lambda phase: None,
+) -> Callable[[], None]:
+    """One training step on a new random batch of this rank's own stream; ``mark`` is told
+    where each phase (PHASES, then "end") begins. A DeepSpeed engine is both ``model`` and
+    ``optim`` (it zeroes the gradients in its own step)."""
     gen = torch.Generator().manual_seed(1000 + rank)
+    engine = optim if optim is model else None
 
     def one_step() -> None:
+        mark("forward")
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
+        mark("backward")
+        if engine is not None:
+            engine.backward(loss)
+        else:
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+        mark("optimizer")
+        if engine is not None:
+            engine.step()
+        else:
+            optim.step()
+        mark("end")
 
     return one_step
+
+
+PHASES = ("forward", "backward", "optimizer")
+# Per phase, where the thread running the step spent its wall time (all per rank and step).
+SPLIT = ("wall", "cpu", "runnable", "asleep")
+
+
+def _own_schedstat() -> List[float]:
+    """[seconds this thread has run on a core, seconds it was runnable but waited for one]
+    (Linux's per-thread schedstat; zeros elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+    except (OSError, ValueError):
+        return [0.0, 0.0]
+    return [int(run_ns) / 1e9, int(wait_ns) / 1e9]
+
+
+class PhaseClock:
+    """[Note: where the wall time goes] Splits each phase of a step into the time the step's
+    thread ran on a core, the time it was runnable while other threads had the cores (with
+    the ranks sharing the cores, gloo's threads of any rank, or another rank's step), and the
+    rest, the time it slept: blocked in a collective's wait (or DDP's end-of-backward sync).
+    Comparing implementations phase by phase shows whether a difference is work (CPU),
+    competition for the cores, or communication waited on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.totals = {phase: [0.0] * len(SPLIT) for phase in PHASES}
+        self._phase = ""
+        self._since = [0.0, 0.0, 0.0]
+
+    def mark(self, phase: str) -> None:
+        now = [time.perf_counter(), *_own_schedstat()]
+        if self.on and self._phase in self.totals:
+            wall, cpu, runnable = (b - a for a, b in zip(self._since, now))
+            for i, value in enumerate((wall, cpu, runnable, max(wall - cpu - runnable, 0.0))):
+                self.totals[self._phase][i] += value
+        self._phase, self._since = phase, now
 
 
 def _loopback_bytes() -> int:
@@ -156,11 +235,16 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     if options.get("flatshard_path"):  # another checkout's flatshard (--baseline)
         sys.path.insert(0, options["flatshard_path"])
     torch.set_num_threads(cfg["threads"])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read when deepspeed is imported)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     example = _example()
-    model = _wrap(impl, build_model(example, cfg), example.TransformerBlock, options)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    one_step = training_step(model, optim, cfg, rank)
+    if impl == "deepspeed":
+        model = optim = _deepspeed(build_model(example, cfg), cfg, rank)
+    else:
+        model = _wrap(impl, build_model(example, cfg), example.TransformerBlock, options)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    clock = PhaseClock()
+    one_step = training_step(model, optim, cfg, rank, clock.mark)
     times: List[float] = []
     sent = faults = 0
     cpu_before: Dict[int, int] = {}
@@ -172,6 +256,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
             sent = _loopback_bytes()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu_before, started = _thread_cpu(), time.perf_counter()
+            clock.on = True
         dist.barrier()
         start = time.perf_counter()
         one_step()
@@ -181,6 +266,10 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
             times.append(elapsed.item())
     dist.barrier()
     wall = time.perf_counter() - started
+    clock.on = False
+    phases = torch.tensor([clock.totals[phase] for phase in PHASES], dtype=torch.float64)
+    dist.all_reduce(phases)  # summed over ranks
+    phases /= world * cfg["steps"]
     cpu = torch.tensor(_cpu_split(cpu_before, _thread_cpu(), cfg["steps"]))
     dist.all_reduce(cpu)  # summed over ranks
     sent = _loopback_bytes() - sent
@@ -194,6 +283,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         # per rank and step, averaged over the ranks; and the share of the cores' time in use
         "cpu_main": cpu[0].item() / world, "cpu_other": cpu[1].item() / world,
         "busy": cpu.sum().item() * cfg["steps"] / ((os.cpu_count() or 1) * wall) if wall > 0 else 0.0,
+        "phases": {phase: dict(zip(SPLIT, row)) for phase, row in zip(PHASES, phases.tolist())},
     }
     if cfg["profile"] and impl == "flatshard":
         result["profile"] = _profile(rank, one_step, cfg, statistics.median(times), result["bytes_per_step"])
@@ -249,6 +339,19 @@ def table(results: Dict[str, Dict[str, Any]], reference: str = "flatshard") -> s
     return "\n".join(lines)
 
 
+def phase_table(results: Dict[str, Dict[str, Any]]) -> str:
+    """Per phase and implementation: wall = CPU + runnable + asleep, in ms per rank and step
+    (see [Note: where the wall time goes])."""
+    head = " | ".join(f"{phase}: wall = CPU + runnable + asleep" for phase in (*PHASES, "step"))
+    lines = [f"| implementation | {head} |", "|---|" + "---|" * (len(PHASES) + 1)]
+    for label, r in results.items():
+        rows = [[r["phases"][phase][key] for key in SPLIT] for phase in PHASES]
+        rows.append([sum(column) for column in zip(*rows)])
+        cells = (f"{w * 1e3:.0f} = {c * 1e3:.0f} + {q * 1e3:.0f} + {s * 1e3:.0f}" for w, c, q, s in rows)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # The model shapes of RESULTS.md.
 SHAPES: Dict[str, Dict[str, Any]] = {
     "default": {"layers": 8, "dim": 256, "heads": 4, "untied": False},
@@ -261,6 +364,7 @@ VARIANTS = {
     "fsdp1": ("fsdp1", {}),
     "fsdp2": ("fsdp2", {}),
     "ddp": ("ddp", {}),
+    "deepspeed": ("deepspeed", {}),  # ZeRO-3; needs the deepspeed extra
     "flatshard SHARD_GRAD_OP": ("flatshard", {"sharding_strategy": "SHARD_GRAD_OP"}),
     "flatshard NO_SHARD": ("flatshard", {"sharding_strategy": "NO_SHARD"}),
     "flatshard BACKWARD_POST": ("flatshard", {"backward_prefetch": "BACKWARD_POST"}),
@@ -305,6 +409,11 @@ def main() -> None:
     keys = ("layers", "dim", "heads", "untied", "batch", "seq", "vocab", "world_size", "threads", "warmup", "steps", "profile")
     cfg = {k: getattr(args, k) for k in keys}
     labels = [v.strip() for v in args.variants.split(",")]
+    unknown = [label for label in labels if label not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from: {', '.join(VARIANTS)}")
+    if "deepspeed" in labels and importlib.util.find_spec("deepspeed") is None:
+        p.error('the deepspeed variant needs DeepSpeed in this environment: pip install -e ".[deepspeed]"')
     collected: Dict[str, List[Dict[str, Any]]] = {label: [] for label in labels}
     for round_index in range(args.rounds):
         order = labels if round_index % 2 == 0 else list(reversed(labels))
@@ -319,12 +428,18 @@ def main() -> None:
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in runs),
             "faults_per_step": statistics.median(r.get("faults_per_step", 0.0) for r in runs),
             **{key: statistics.median(r[key] for r in runs) for key in ("cpu_main", "cpu_other", "busy")},
+            "phases": {
+                phase: {key: statistics.median(r["phases"][phase][key] for r in runs) for key in SPLIT}
+                for phase in PHASES
+            },
         }
         for label, runs in collected.items()
     }
     command = "python bench/bench.py " + " ".join(sys.argv[1:])
     print(f"\n{command}\n{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, config {cfg}\n")
     print(table(results, labels[0]))
+    print("\nWhere the step's thread spends each phase (ms per rank and step, medians over the runs):\n")
+    print(phase_table(results))
     for label, runs in collected.items():
         for r in runs[-1:]:
             if r.get("profile"):

@@ -1,5 +1,6 @@
 """The README's example runs: by itself (2 spawned CPU ranks) and under torchrun."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -42,12 +43,39 @@ def test_benchmark_script_runs_and_prints_the_comparison():
             "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,fsdp1"]
     out = _run([sys.executable, bench, *tiny])
     rows = [line for line in out.splitlines() if line.startswith("| flatshard") or line.startswith("| fsdp1")]
-    assert len(rows) == 2, out
+    assert len(rows) == 4, out  # the comparison, then the phase split
     assert "| CPU / rank / step: step thread + gloo threads | cores busy |" in out, out
-    for row in rows:  # the step thread's and gloo's CPU per rank and step, and the cores' use
+    for row in rows[:2]:  # the step thread's and gloo's CPU per rank and step, and the cores' use
         cpu, busy = [c.strip() for c in row.strip("|").split("|")][5:7]
         step_thread, gloo = (float(part.split()[0]) for part in cpu.split("+"))
-        assert step_thread > 0 and gloo >= 0 and 0 < float(busy.rstrip("%")) <= 100, row
+        # (over a window of a few milliseconds the ranks' windows differ enough to pass 100%)
+        assert step_thread > 0 and gloo >= 0 and 0 < float(busy.rstrip("%")) <= 150, row
+    assert "| forward: wall = CPU + runnable + asleep | backward: wall = CPU + runnable + asleep |" in out, out
+    for row in rows[2:]:  # per phase: the step thread's wall time = on a core + waiting for one + asleep
+        cells = [[float(x) for x in c.replace("=", "+").split("+")] for c in row.strip("|").split("|")[1:]]
+        assert len(cells) == 4, row  # forward, backward, optimizer, the step
+        for wall, cpu, runnable, asleep in cells:
+            assert abs(wall - (cpu + runnable + asleep)) <= 2 and min(cpu, runnable, asleep) >= 0, row
+        assert cells[0][1] > 0 and cells[1][1] > 0, row  # forward and backward ran on a core
+        assert abs(cells[3][0] - sum(cell[0] for cell in cells[:3])) <= 2, row
+
+
+def test_benchmark_script_runs_deepspeed_zero3_beside_flatshard_when_it_is_installed():
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip('the benchmark\'s deepspeed row needs DeepSpeed (pip install -e ".[deepspeed]")')
+    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+            "--warmup", "1", "--steps", "2", "--rounds", "1", "--variants", "flatshard,deepspeed"]
+    out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
+    rows = [line for line in out.splitlines() if line.startswith("| deepspeed |")]
+    assert len(rows) == 2, out  # the comparison and the phase split
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[3].split()[0]) > 0, rows[0]  # it ran and communicated
+
+
+def test_benchmark_script_names_an_unknown_variant():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--variants", "flatshard,zero9"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown variant(s) ['zero9']; choose from: flatshard, " in proc.stderr, proc.stderr
 
 
 def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():
