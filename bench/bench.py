@@ -301,13 +301,14 @@ def _profile(rank: int, one_step: Any, cfg: Dict[str, Any], median: float, sent:
     import profile_step
 
     bandwidth = profile_step.loopback_bandwidth()
+    latency = profile_step.collective_latency()
     dist.barrier()
     if rank != 0:
         for _ in range(cfg["profile"]):
             one_step()
         return ""
     profiled, parts = profile_step.profile_steps(one_step, cfg["profile"])
-    return profile_step.report(median, profiled, parts, sent, bandwidth)
+    return profile_step.report(median, profiled, parts, sent, bandwidth, latency)
 
 
 def run(label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -357,6 +358,7 @@ SHAPES: Dict[str, Dict[str, Any]] = {
     "default": {"layers": 8, "dim": 256, "heads": 4, "untied": False},
     "untied8": {"layers": 8, "dim": 256, "heads": 8, "untied": True},
     "wide": {"layers": 12, "dim": 512, "heads": 8, "untied": False},
+    "deep": {"layers": 24, "dim": 128, "heads": 4, "untied": False},  # many small units
 }
 
 VARIANTS = {
@@ -444,6 +446,8 @@ def main() -> None:
         for r in runs[-1:]:
             if r.get("profile"):
                 print(f"\n### {label}: where a step goes\n\n{r['profile']}")
+                if "ddp" in results:  # the physical limit: same compute, one all-reduce
+                    print(f"DDP's step in this run: {results['ddp']['median'] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,27 @@ def test_benchmark_script_runs_and_prints_the_comparison():
         assert abs(cells[3][0] - sum(cell[0] for cell in cells[:3])) <= 2, row
 
 
+def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback():
+    tiny = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,ddp", "--profile", "2"]
+    out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
+    report = out.split("### flatshard: where a step goes", 1)[1]
+    parts = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[1].replace(".", "").isdigit():
+            parts[cells[0]] = float(cells[1])
+    for name in ("waiting on communication", "issuing communication", "copies", "runtime Python", "compute (the rest)"):
+        assert name in parts, report
+    assert parts["runtime Python"] > 0 and parts["compute (the rest)"] > 0, report
+    # per entry point, calls per step: 3 units (2 blocks and the root), one handle each
+    calls = {c[0]: c[2] for c in ([x.strip() for x in line.strip("|").split("|")] for line in report.splitlines())
+             if len(c) == 3 and c[0].startswith(("pre-forward", "post-backward", "end of backward"))}
+    assert calls == {"pre-forward (per unit forward)": "3", "post-backward hook (per handle)": "3", "end of backward (per step)": "1"}, report
+    assert "MiB sent per rank per step; loopback " in report and "latency: a 4 KiB all-gather takes " in report, report
+    assert "DDP's step in this run: " in report, report
+
+
 def test_benchmark_script_runs_deepspeed_zero3_beside_flatshard_when_it_is_installed():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip('the benchmark\'s deepspeed row needs DeepSpeed (pip install -e ".[deepspeed]")')
