@@ -13,7 +13,7 @@ EXTRAS_REQUIRE = {
     "hf": ["transformers>=5.0"],
     # The benchmark's DeepSpeed ZeRO-3 row (bench/bench.py --variants ...,deepspeed). DeepSpeed
     # requires torch unpinned, so the torch build already installed stays.
-    "deepspeed": ["deepspeed"],
+    "deepspeed": ["deepspeed>=0.19"],
 }
 
 setup(

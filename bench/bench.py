@@ -115,7 +115,8 @@ def _deepspeed(model: torch.nn.Module, cfg: Dict[str, Any], rank: int) -> Any:
     world = dist.get_world_size()
     # DeepSpeed reads the launcher's variables even when torch.distributed is initialised.
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    warnings.filterwarnings("ignore", category=FutureWarning)  # (its deprecated collective names)
+    # (DeepSpeed calls collectives by names torch deprecated)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -164,15 +165,18 @@ PHASES = ("forward", "backward", "optimizer")
 SPLIT = ("wall", "cpu", "runnable", "asleep")
 
 
-def _own_schedstat() -> List[float]:
-    """[seconds this thread has run on a core, seconds it was runnable but waited for one]
-    (Linux's per-thread schedstat; zeros elsewhere)."""
+def _thread_clocks() -> List[float]:
+    """[wall seconds, seconds this thread has run on a core, seconds it was runnable but
+    waited for one]. The CPU time is the thread's CPU clock, current when read (schedstat's
+    run time lags by up to a tick for the running thread); the waiting time is Linux's
+    per-thread schedstat (zero elsewhere), which changes only while the thread waits."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            run_ns, wait_ns = f.read().split()[:2]
-    except (OSError, ValueError):
-        return [0.0, 0.0]
-    return [int(run_ns) / 1e9, int(wait_ns) / 1e9]
+            waited = int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        waited = 0.0
+    return [wall, cpu, waited]
 
 
 class PhaseClock:
@@ -183,14 +187,17 @@ class PhaseClock:
     Comparing implementations phase by phase shows whether a difference is work (CPU),
     competition for the cores, or communication waited on."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], List[float]] = _thread_clocks) -> None:
         self.on = False
         self.totals = {phase: [0.0] * len(SPLIT) for phase in PHASES}
+        self._read = read
         self._phase = ""
         self._since = [0.0, 0.0, 0.0]
 
     def mark(self, phase: str) -> None:
-        now = [time.perf_counter(), *_own_schedstat()]
+        """``phase`` begins now (and the one before ends): its time is added to ``totals``
+        when the clock is ``on`` and the phase is one of ``PHASES`` (not "end")."""
+        now = self._read()
         if self.on and self._phase in self.totals:
             wall, cpu, runnable = (b - a for a, b in zip(self._since, now))
             for i, value in enumerate((wall, cpu, runnable, max(wall - cpu - runnable, 0.0))):
@@ -430,8 +437,9 @@ def main() -> None:
             "bytes_per_step": statistics.median(r["bytes_per_step"] for r in runs),
             "faults_per_step": statistics.median(r.get("faults_per_step", 0.0) for r in runs),
             **{key: statistics.median(r[key] for r in runs) for key in ("cpu_main", "cpu_other", "busy")},
+            # means, so that each run's wall = CPU + runnable + asleep still holds
             "phases": {
-                phase: {key: statistics.median(r["phases"][phase][key] for r in runs) for key in SPLIT}
+                phase: {key: statistics.fmean(r["phases"][phase][key] for r in runs) for key in SPLIT}
                 for phase in PHASES
             },
         }
@@ -440,7 +448,7 @@ def main() -> None:
     command = "python bench/bench.py " + " ".join(sys.argv[1:])
     print(f"\n{command}\n{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, config {cfg}\n")
     print(table(results, labels[0]))
-    print("\nWhere the step's thread spends each phase (ms per rank and step, medians over the runs):\n")
+    print("\nWhere the step's thread spends each phase (ms per rank and step, means over the runs):\n")
     print(phase_table(results))
     for label, runs in collected.items():
         for r in runs[-1:]:

@@ -48,16 +48,44 @@ def test_benchmark_script_runs_and_prints_the_comparison():
     for row in rows[:2]:  # the step thread's and gloo's CPU per rank and step, and the cores' use
         cpu, busy = [c.strip() for c in row.strip("|").split("|")][5:7]
         step_thread, gloo = (float(part.split()[0]) for part in cpu.split("+"))
-        # (over a window of a few milliseconds the ranks' windows differ enough to pass 100%)
-        assert step_thread > 0 and gloo >= 0 and 0 < float(busy.rstrip("%")) <= 150, row
+        assert step_thread > 0 and gloo >= 0 and float(busy.rstrip("%")) > 0, row
     assert "| forward: wall = CPU + runnable + asleep | backward: wall = CPU + runnable + asleep |" in out, out
     for row in rows[2:]:  # per phase: the step thread's wall time = on a core + waiting for one + asleep
         cells = [[float(x) for x in c.replace("=", "+").split("+")] for c in row.strip("|").split("|")[1:]]
         assert len(cells) == 4, row  # forward, backward, optimizer, the step
-        for wall, cpu, runnable, asleep in cells:
+        for wall, cpu, runnable, asleep in cells:  # (each rounded to the millisecond)
             assert abs(wall - (cpu + runnable + asleep)) <= 2 and min(cpu, runnable, asleep) >= 0, row
-        assert cells[0][1] > 0 and cells[1][1] > 0, row  # forward and backward ran on a core
         assert abs(cells[3][0] - sum(cell[0] for cell in cells[:3])) <= 2, row
+
+
+def _bench_script():
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "bench" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_phase_clock_splits_each_measured_phase_and_nothing_between_steps():
+    """[Note: where the wall time goes], with the clocks replaced: readings of (wall, the
+    thread's CPU, its time runnable), at each phase's start and at the step's end."""
+    readings = iter([
+        [0.0, 0.0, 0.0], [1.0, 0.5, 0.1], [3.0, 2.0, 0.2], [3.5, 2.4, 0.2],  # a warm-up step
+        [10.0, 5.0, 1.0], [10.4, 5.3, 1.05], [11.4, 6.0, 1.15], [11.6, 6.2, 1.15],  # measured
+        [20.0, 9.0, 2.0], [21.0, 9.5, 2.5], [21.5, 9.6, 2.5], [22.0, 9.7, 2.5],  # measured
+    ])
+    clock = _bench_script().PhaseClock(read=lambda: next(readings))
+    for step in range(3):
+        clock.on = step > 0  # (the time from one step's end to the next's start is never counted)
+        for phase in ("forward", "backward", "optimizer", "end"):
+            clock.mark(phase)
+    expected = {  # wall, CPU, runnable, asleep (the rest), summed over the two measured steps
+        "forward": [0.4 + 1.0, 0.3 + 0.5, 0.05 + 0.5, 0.05 + 0.0],
+        "backward": [1.0 + 0.5, 0.7 + 0.1, 0.1 + 0.0, 0.2 + 0.4],
+        "optimizer": [0.2 + 0.5, 0.2 + 0.1, 0.0, 0.0 + 0.4],
+    }
+    assert clock.totals.keys() == expected.keys()
+    for phase, values in expected.items():
+        assert clock.totals[phase] == pytest.approx(values), phase
 
 
 def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback():
@@ -84,19 +112,34 @@ def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback():
 def test_benchmark_script_runs_deepspeed_zero3_beside_flatshard_when_it_is_installed():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip('the benchmark\'s deepspeed row needs DeepSpeed (pip install -e ".[deepspeed]")')
-    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+    # (an embedding of 4096 x 32 is above DeepSpeed's default size for keeping a parameter whole)
+    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "4096",
             "--warmup", "1", "--steps", "2", "--rounds", "1", "--variants", "flatshard,deepspeed"]
     out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
     rows = [line for line in out.splitlines() if line.startswith("| deepspeed |")]
     assert len(rows) == 2, out  # the comparison and the phase split
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    assert float(cells[1]) > 0 and float(cells[3].split()[0]) > 0, rows[0]  # it ran and communicated
+    assert cells[3].endswith(" MiB") and float(cells[3].split()[0]) >= 0.1, rows[0]  # it sent gathers and reductions
 
 
 def test_benchmark_script_names_an_unknown_variant():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench.py"), "--variants", "flatshard,zero9"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown variant(s) ['zero9']; choose from: flatshard, " in proc.stderr, proc.stderr
+
+
+def test_heap_trace_shows_each_ops_faults_and_heap_changes_per_phase():
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("bench/heap_trace.py needs glibc's mallinfo2 (glibc 2.33 or later)")
+    small = ["--vocab", "64", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2", "--min-faults", "0"]
+    out = _run([sys.executable, str(ROOT / "bench" / "heap_trace.py"), "--impl", "flatshard", *small])
+    ops = [line.split() for line in out.splitlines() if line.startswith("step ")]
+    assert {(op[1], op[2]) for op in ops} >= {(s, p) for s in "01" for p in ("forward", "backward", "optimizer")}, out
+    assert any(op[3] == "aten.mm.default" for op in ops) and all(op[5] == "faults," for op in ops), out
+    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(rows) == 2, out  # per traced step: faults, heap grew, heap shrank
 
 
 def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():
