@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -129,6 +129,16 @@ def _deepspeed(model: torch.nn.Module, cfg: Dict[str, Any], rank: int) -> Any:
     return engine
 
 
+def make_trainee(impl: str, options: Dict[str, Any], cfg: Dict[str, Any], rank: int) -> Tuple[torch.nn.Module, Any]:
+    """(model, optimizer) of the benchmark's GPT under ``impl`` (a DeepSpeed engine is both)."""
+    example = _example()
+    if impl == "deepspeed":
+        engine = _deepspeed(build_model(example, cfg), cfg, rank)
+        return engine, engine
+    model = _wrap(impl, build_model(example, cfg), example.TransformerBlock, options)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def training_step(
     model: torch.nn.Module, optim: Any, cfg: Dict[str, Any], rank: int,
     mark: Callable[[str], None] = lambda phase: None,
@@ -137,7 +147,12 @@ def training_step(
     where each phase (PHASES, then "end") begins. A DeepSpeed engine is both ``model`` and
     ``optim`` (it zeroes the gradients in its own step)."""
     gen = torch.Generator().manual_seed(1000 + rank)
-    engine = optim if optim is model else None
+    if optim is model:
+        backward = model.backward
+    else:
+        def backward(loss: torch.Tensor) -> None:
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
 
     def one_step() -> None:
         mark("forward")
@@ -145,16 +160,9 @@ def training_step(
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         mark("backward")
-        if engine is not None:
-            engine.backward(loss)
-        else:
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
+        backward(loss)
         mark("optimizer")
-        if engine is not None:
-            engine.step()
-        else:
-            optim.step()
+        optim.step()
         mark("end")
 
     return one_step
@@ -165,18 +173,25 @@ PHASES = ("forward", "backward", "optimizer")
 SPLIT = ("wall", "cpu", "runnable", "asleep")
 
 
+def _schedstat(tid: int) -> Optional[Tuple[int, int]]:
+    """(nanoseconds thread ``tid`` of this process has run on a core, nanoseconds it was
+    runnable but waited for one), from Linux's schedstat; None elsewhere or once it ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran), int(waited)
+    except (OSError, ValueError):
+        return None
+
+
 def _thread_clocks() -> List[float]:
     """[wall seconds, seconds this thread has run on a core, seconds it was runnable but
     waited for one]. The CPU time is the thread's CPU clock, current when read (schedstat's
-    run time lags by up to a tick for the running thread); the waiting time is Linux's
-    per-thread schedstat (zero elsewhere), which changes only while the thread waits."""
+    run time lags by up to a tick for the running thread); the waiting time is schedstat's,
+    which changes only while the thread waits."""
     wall, cpu = time.perf_counter(), time.thread_time()
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            waited = int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        waited = 0.0
-    return [wall, cpu, waited]
+    stat = _schedstat(threading.get_native_id())
+    return [wall, cpu, stat[1] / 1e9 if stat is not None else 0.0]
 
 
 class PhaseClock:
@@ -216,18 +231,12 @@ def _loopback_bytes() -> int:
 
 def _thread_cpu() -> Dict[int, int]:
     """CPU nanoseconds each thread of this process has run (Linux; empty elsewhere)."""
-    times: Dict[int, int] = {}
     try:
-        tids = os.listdir("/proc/self/task")
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
-        return times
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                times[int(tid)] = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # (the thread ended meanwhile)
-    return times
+        return {}
+    stats = {tid: _schedstat(tid) for tid in tids}
+    return {tid: stat[0] for tid, stat in stats.items() if stat is not None}  # (ended ones left out)
 
 
 def _cpu_split(before: Dict[int, int], after: Dict[int, int], steps: int) -> List[float]:
@@ -244,12 +253,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     torch.set_num_threads(cfg["threads"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read when deepspeed is imported)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    example = _example()
-    if impl == "deepspeed":
-        model = optim = _deepspeed(build_model(example, cfg), cfg, rank)
-    else:
-        model = _wrap(impl, build_model(example, cfg), example.TransformerBlock, options)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = make_trainee(impl, options, cfg, rank)
     clock = PhaseClock()
     one_step = training_step(model, optim, cfg, rank, clock.mark)
     times: List[float] = []

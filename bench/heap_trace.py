@@ -93,9 +93,7 @@ class HeapTrace(TorchDispatchMode):
 def _rank(rank: int, world: int, init_file: str, impl: str, cfg: Dict[str, Any], args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    example = bench._example()
-    model = bench._wrap(impl, bench.build_model(example, cfg), example.TransformerBlock, {})
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = bench.make_trainee(impl, {}, cfg, rank)
     trace = HeapTrace(heap_reader(), args.min_faults)
 
     def mark(phase: str) -> None:

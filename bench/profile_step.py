@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -40,33 +41,14 @@ ENTRY_POINTS = {
 _COPY_OPS = {"copy_", "add_", "add", "div_", "zero_", "to", "clone", "cat", "fill_", "mul_", "zeros", "empty", "split", "chunk"}
 
 
-def loopback_bandwidth(nbytes: int = 64 * 2**20) -> float:
-    """Bytes per second one rank sends in a large all-gather over the machine's loopback, done
-    the way flatshard does it (``Communicator.all_gather``)."""
+def _timed_all_gathers(numel: int, repeats: int) -> List[float]:
+    """Seconds of each of ``repeats`` all-gathers of ``numel`` float32 per rank, after a warm-up,
+    done the way flatshard does them (``Communicator.all_gather``)."""
     from flatshard._collectives import Communicator
 
     comm = Communicator(dist.group.WORLD)
-    world = dist.get_world_size()
-    shard = torch.ones(nbytes // 4 // world, dtype=torch.float32)
-    out = torch.empty(shard.numel() * world)
-    comm.all_gather(out, shard)  # warm up
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(3):
-        comm.all_gather(out, shard)
-    elapsed = (time.perf_counter() - start) / 3
-    return shard.numel() * 4 * (world - 1) / elapsed
-
-
-def collective_latency(repeats: int = 50) -> float:
-    """Median seconds of a small all-gather (4 KiB per rank) issued and waited on at once, the
-    way flatshard does it: what one exposed collective costs here whatever its size (the
-    threads' wake-ups and the loopback round trip)."""
-    from flatshard._collectives import Communicator
-
-    comm = Communicator(dist.group.WORLD)
-    shard = torch.ones(1024, dtype=torch.float32)
-    out = torch.empty(shard.numel() * dist.get_world_size())
+    shard = torch.ones(numel, dtype=torch.float32)
+    out = torch.empty(numel * dist.get_world_size())
     comm.all_gather(out, shard)  # warm up
     dist.barrier()
     times = []
@@ -74,7 +56,21 @@ def collective_latency(repeats: int = 50) -> float:
         start = time.perf_counter()
         comm.all_gather(out, shard)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def loopback_bandwidth(nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second one rank sends in a large all-gather over the machine's loopback."""
+    world = dist.get_world_size()
+    numel = nbytes // 4 // world
+    return numel * 4 * (world - 1) / statistics.fmean(_timed_all_gathers(numel, 3))
+
+
+def collective_latency(repeats: int = 50) -> float:
+    """Median seconds of a small all-gather (4 KiB per rank) issued and waited on at once:
+    what one exposed collective costs here whatever its size (the threads' wake-ups and the
+    loopback round trip)."""
+    return statistics.median(_timed_all_gathers(1024, repeats))
 
 
 def _is_flatshard(filename: str) -> bool:
