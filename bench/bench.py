@@ -84,7 +84,7 @@ def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str,
             from flatshard import MixedPrecision
         bf16 = torch.bfloat16
         extra["mixed_precision"] = MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16)
-    return FullyShardedDataParallel(
+    wrapped = FullyShardedDataParallel(
         model,
         **extra,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block_cls}),
@@ -94,6 +94,12 @@ def _wrap(impl: str, model: torch.nn.Module, block_cls: type, options: Dict[str,
         use_orig_params=options.get("use_orig_params", False),
         device_id=torch.device("cpu"),
     )
+    if options.get("activation_checkpointing"):
+        # as FSDP1 training recipes do it: after wrapping, each block's forward is recomputed in backward
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, block_cls))
+    return wrapped
 
 
 def build_model(example: Any, cfg: Dict[str, Any]) -> torch.nn.Module:
@@ -379,14 +385,21 @@ VARIANTS = {
     "ddp": ("ddp", {}),
     "deepspeed": ("deepspeed", {}),  # ZeRO-3; needs the deepspeed extra
     "flatshard SHARD_GRAD_OP": ("flatshard", {"sharding_strategy": "SHARD_GRAD_OP"}),
+    "fsdp1 SHARD_GRAD_OP": ("fsdp1", {"sharding_strategy": "SHARD_GRAD_OP"}),
     "flatshard NO_SHARD": ("flatshard", {"sharding_strategy": "NO_SHARD"}),
+    "fsdp1 NO_SHARD": ("fsdp1", {"sharding_strategy": "NO_SHARD"}),
     "flatshard BACKWARD_POST": ("flatshard", {"backward_prefetch": "BACKWARD_POST"}),
+    "fsdp1 BACKWARD_POST": ("fsdp1", {"backward_prefetch": "BACKWARD_POST"}),
     "flatshard no prefetch": ("flatshard", {"backward_prefetch": "None"}),
+    "fsdp1 no prefetch": ("fsdp1", {"backward_prefetch": "None"}),
     "flatshard forward_prefetch": ("flatshard", {"forward_prefetch": True}),
+    "fsdp1 forward_prefetch": ("fsdp1", {"forward_prefetch": True}),
     "flatshard bf16": ("flatshard", {"mixed_precision": "bf16"}),
     "fsdp1 bf16": ("fsdp1", {"mixed_precision": "bf16"}),
     "flatshard use_orig_params": ("flatshard", {"use_orig_params": True}),
     "fsdp1 use_orig_params": ("fsdp1", {"use_orig_params": True}),
+    "flatshard activation_checkpointing": ("flatshard", {"activation_checkpointing": True}),
+    "fsdp1 activation_checkpointing": ("fsdp1", {"activation_checkpointing": True}),
 }
 
 

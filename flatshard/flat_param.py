@@ -144,6 +144,9 @@ class FlatParamHandle:
         self._placeholders = [] if use_orig_params else [
             ParamPlaceholder(info.name, info.shape, self.dtype, requires_grad) for info in self.param_infos
         ]
+        # The placeholders' requires_grad: only sync_requires_grad changes it (a placeholder
+        # refuses requires_grad_), and reading it back costs a __torch_function__ call.
+        self._placeholders_require_grad = requires_grad
         # use_orig_params: the original parameters, views of the shard (None otherwise).
         self.orig: Optional[OrigParams] = None
         if use_orig_params:
@@ -217,10 +220,11 @@ class FlatParamHandle:
             self.flat_param.requires_grad_(flag)  # (not the user's: it follows the originals)
         if self._full is not self.flat_param and self._full.requires_grad != flag:
             self._full.requires_grad_(flag)
-        if self._placeholders and self._placeholders[0].requires_grad != flag:
+        if self._placeholders and self._placeholders_require_grad != flag:
             with torch._C.DisableTorchFunctionSubclass():
                 for placeholder in self._placeholders:
                     placeholder.requires_grad_(flag)
+            self._placeholders_require_grad = flag
 
     def originals(self) -> List[Tuple[nn.Parameter, str]]:
         """The original parameter objects this handle flattened, with names (emptied, unless

@@ -58,6 +58,16 @@ def test_benchmark_script_runs_and_prints_the_comparison():
         assert abs(cells[3][0] - sum(cell[0] for cell in cells[:3])) <= 2, row
 
 
+def test_benchmark_script_runs_matching_configurations_of_flatshard_and_fsdp1():
+    # e.g. activation checkpointing applied after wrapping, as FSDP1 training recipes do
+    variants = "flatshard activation_checkpointing,fsdp1 activation_checkpointing,flatshard SHARD_GRAD_OP,fsdp1 SHARD_GRAD_OP"
+    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", variants]
+    out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
+    for name in variants.split(","):
+        assert sum(line.startswith(f"| {name} |") for line in out.splitlines()) == 2, (name, out)
+
+
 def _bench_script():
     spec = importlib.util.spec_from_file_location("bench_script", ROOT / "bench" / "bench.py")
     module = importlib.util.module_from_spec(spec)
@@ -140,6 +150,26 @@ def test_heap_trace_shows_each_ops_faults_and_heap_changes_per_phase():
     assert any(op[3] == "aten.mm.default" for op in ops) and all(op[5] == "faults," for op in ops), out
     rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     assert len(rows) == 2, out  # per traced step: faults, heap grew, heap shrank
+
+
+def test_own_cpu_charges_each_runtime_function_its_exclusive_cpu_per_phase():
+    small = ["--vocab", "64", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
+    out = _run([sys.executable, str(ROOT / "bench" / "own_cpu.py"), *small])
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 6 and cells[1][:1].isdigit():
+            rows[cells[0]] = cells
+    functions = {k: v for k, v in rows.items() if k not in ("**all measured**", "step thread, all of it")}
+    assert {"RootRuntime.start_forward", "RootRuntime.post_backward", "Communicator.all_gather", "FlatParamHandle.use_views"} <= set(functions), out
+    assert float(functions["RootRuntime.start_forward"][4]) == 9.0, out  # 9 units (8 blocks and the root), once each
+    post_backward = functions["RootRuntime.post_backward"]
+    assert float(post_backward[1]) == 0.0 < float(post_backward[2]), out  # backward only
+    for phase in (1, 2, 3):  # the total row adds up the functions (to rounding), inside the step thread's time
+        total = sum(float(cells[phase]) for cells in functions.values())
+        assert abs(float(rows["**all measured**"][phase]) - total) <= 0.01 * len(functions), (phase, out)
+        assert float(rows["**all measured**"][phase]) <= float(rows["step thread, all of it"][phase]), (phase, out)
+    assert "ms per unit (9 units)" in out, out
 
 
 def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():

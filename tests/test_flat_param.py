@@ -92,6 +92,12 @@ class FlatParamTest(TestCase):
             for unit in range(len(totals[0])):
                 self.assertEqual(sum(r[unit][2] for r in totals), totals[0][unit][0])
 
+    def test_a_sharded_parameter_reports_the_flat_parameters_requires_grad(self):
+        # Staged freezing through model.parameters(): outside forward, modules hold
+        # placeholders, whose requires_grad follows the FlatParameter from the next forward on.
+        for r in self.pool.run(_placeholder_requires_grad, 2):
+            self.assertEqual(r, [True, False, False, True, True])
+
     def test_no_shard_keeps_everything_unpadded(self):
         (r,) = self.pool.run(_no_shard_layout, 1)
         self.assertEqual(r, (13, 13, "UNSHARDED", 13 * 4, "cpu"))
@@ -103,6 +109,19 @@ class FlatParamTest(TestCase):
 def _shard_sizes(rank, world_size):
     model = wrap(build(), "nested")
     return [(h.numel, h.flat_param.numel(), sum(s.numel for s in h.shard_param_infos)) for h in handles(model)]
+
+
+def _placeholder_requires_grad(rank, world_size):
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    model = ShardedDataParallel(nn.Sequential(lin))
+    flags = [lin.weight.requires_grad]
+    for flag in (False, True):
+        model.handle.flat_param.requires_grad_(flag)
+        with torch.no_grad():
+            model(torch.ones(1, 3))  # (a no_grad forward frees the unit after it)
+        flags.extend([lin.weight.requires_grad, lin.bias.requires_grad])
+    return flags
 
 
 def _no_shard_layout(rank, world_size):
