@@ -19,6 +19,18 @@ the wall time of the list all-gather. From three ranks on, the all-to-all would 
 buffer holding the shard once per peer, and it measured no better, so those sizes keep the
 general paths.
 
+[Note: yield after a gloo wait] On the CPU the ranks' compute threads and gloo's threads
+share the cores. A thread woken from a collective's wait goes straight back to computing,
+while a gloo thread with work left (its side of the exchange, or the peer's: a rank finishes
+its half first) may be queued behind it on the same core; the scheduler need not preempt
+a computing thread before its time slice ends (4 ms at 250 Hz), and the peer waits that long.
+So after a gloo collective completes, the waiting thread yields once (``os.sched_yield``, a
+system call that returns at once when nothing else is runnable on its core). Measured on
+2 cores with 2 ranks and 25 units of 0.2M parameters (10 steps, three runs each way): forward
+gathers that one rank issued more than 3 ms after the other went from 39-43 to 18-25 in 250,
+and the step got 1-2% faster. It changes nothing but the order threads run in; NCCL waits do
+not block the host and are left alone.
+
 All collectives can run asynchronously: they return a ``Pending`` to ``wait()`` on right
 before the result is needed (on CUDA, NCCL orders the work on its own stream and ``wait``
 makes the current stream wait for it, without blocking the host).
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import pickle
 import weakref
 from dataclasses import dataclass
@@ -42,6 +55,7 @@ ProcessGroup = dist.ProcessGroup
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_sched_yield: Optional[Callable[[], None]] = getattr(os, "sched_yield", None)  # (not on Windows)
 
 
 def require_initialized() -> None:
@@ -74,12 +88,17 @@ class Pending:
     """A collective in flight. ``wait()`` completes it, then runs its finishing step (e.g.
     dividing a sum into a mean); waiting again does nothing."""
 
-    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None, host_threads: bool = False) -> None:
         self._work = work
         self._finish = finish
+        # whether the collective runs on threads that share the cores with the caller (gloo)
+        self._yield_after = host_threads and work is not None and _sched_yield is not None
 
     def wait(self) -> None:
         self.drain()
+        if self._yield_after and _sched_yield is not None:
+            self._yield_after = False
+            _sched_yield()  # see [Note: yield after a gloo wait]
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -156,7 +175,7 @@ class Communicator:
         else:
             self._note("all_gather", _all_gather_flat.__name__, sent, check)
             work = _all_gather_flat(output, shard, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work), async_op)
+        return _maybe_wait(Pending(work, host_threads=self.gloo), async_op)
 
     def _pairwise(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
         """Whether the two-rank exchange applies to ``whole`` (all chunks) and ``part`` (one
@@ -214,15 +233,15 @@ class Communicator:
                 if buffers is not None:
                     buffers.give(received)
 
-            return _maybe_wait(Pending(work, finish), async_op)
+            return _maybe_wait(Pending(work, finish, host_threads=True), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
+        return _maybe_wait(Pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None, host_threads=self.gloo), async_op)
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
         self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size)), async_op)
+        return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size), host_threads=self.gloo), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Replace ``tensor`` in place by its elementwise ``"sum"`` or ``"max"`` over the ranks."""

@@ -41,7 +41,36 @@ def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
+def _yields(rank: int, world_size: int) -> List[int]:
+    """How often the caller yields its core: after a blocking all-gather, after the first wait
+    of a reduce-scatter in flight (not the second), never for a drained one."""
+    import flatshard._collectives as collectives
+
+    calls: List[int] = []
+    real = collectives._sched_yield
+    collectives._sched_yield = lambda: calls.append(1)
+    try:
+        comm = Communicator(dist.group.WORLD)
+        counts = []
+        comm.all_gather(torch.empty(2 * world_size), torch.ones(2))
+        counts.append(len(calls))
+        pending = comm.reduce_scatter_mean(torch.empty(2), torch.ones(2 * world_size), async_op=True)
+        pending.wait()
+        pending.wait()
+        counts.append(len(calls))
+        comm.all_gather(torch.empty(2 * world_size), torch.ones(2), async_op=True).drain()
+        counts.append(len(calls))
+    finally:
+        collectives._sched_yield = real
+    return counts
+
+
 class GlooCollectivesTest(TestCase):
+    def test_a_thread_that_waited_on_gloo_yields_its_core_once(self) -> None:
+        # [Note: yield after a gloo wait]
+        for world_size in (2, 3):
+            self.assertEqual(self.pool.run(_yields, world_size), [[1, 2, 2]] * world_size)
+
     def test_every_rank_gets_the_gathered_and_reduced_values(self) -> None:
         for world_size in (2, 3):
             for rank, got in enumerate(self.pool.run(_exchange, world_size)):
