@@ -135,6 +135,28 @@ def _deepspeed(model: torch.nn.Module, cfg: Dict[str, Any], rank: int) -> Any:
     return engine
 
 
+def add_trace_arguments(p: argparse.ArgumentParser, shape: str, warmup: int, steps: int) -> None:
+    """The options of the scripts that trace one implementation's steps (heap_trace.py,
+    own_cpu.py, gather_waits.py): the model shape and batch, warm-up and traced steps."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default=shape)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--steps", type=int, default=steps)
+
+
+def trace_config(args: argparse.Namespace) -> Dict[str, Any]:
+    """The model and batch configuration ``add_trace_arguments`` options describe."""
+    return {**SHAPES[args.shape], "vocab": args.vocab, "batch": args.batch, "seq": args.seq}
+
+
+def end_rank() -> None:
+    """Leave the process group, once the caller dropped its model and optimizer."""
+    gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
+    dist.destroy_process_group()
+
+
 def make_trainee(impl: str, options: Dict[str, Any], cfg: Dict[str, Any], rank: int) -> Tuple[torch.nn.Module, Any]:
     """(model, optimizer) of the benchmark's GPT under ``impl`` (a DeepSpeed engine is both)."""
     example = _example()
@@ -308,8 +330,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         with open(out, "w") as f:
             json.dump(result, f)
     del model, optim
-    gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _profile(rank: int, one_step: Any, cfg: Dict[str, Any], median: float, sent: float) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import os
 import resource
 import sys
@@ -116,24 +115,18 @@ def _rank(rank: int, world: int, init_file: str, impl: str, cfg: Dict[str, Any],
             print(f"| {step} | {faults:,} | {grew} | {shrank} |")
     dist.barrier()
     del model, optim
-    gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    bench.end_rank()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", choices=("flatshard", "fsdp1", "ddp"), default="flatshard")
-    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="default")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
+    bench.add_trace_arguments(p, shape="default", warmup=4, steps=3)
     p.add_argument("--min-faults", type=int, default=200, help="print ops that took at least this many faults")
     args = p.parse_args()
     if heap_reader() is None:
         p.error("needs the C library's mallinfo2 (glibc 2.33 or later)")
-    cfg = {**bench.SHAPES[args.shape], "vocab": args.vocab, "batch": args.batch, "seq": args.seq}
+    cfg = bench.trace_config(args)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(2, os.path.join(tmp, "rdv"), args.impl, cfg, args), nprocs=2)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import gc
 import os
 import platform
 import sys
@@ -172,20 +171,14 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], args: argp
         print(table(account, args.steps, units, step_cpu, wrapper_cost()))
     dist.barrier()
     del model, optim
-    gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    bench.end_rank()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="default")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    bench.add_trace_arguments(p, shape="default", warmup=3, steps=10)
     args = p.parse_args()
-    cfg = {**bench.SHAPES[args.shape], "vocab": args.vocab, "batch": args.batch, "seq": args.seq}
+    cfg = bench.trace_config(args)
     print(f"python bench/own_cpu.py {' '.join(sys.argv[1:])}\n{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, shape {args.shape}, world size 2, {args.steps} steps\n")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(2, os.path.join(tmp, "rdv"), cfg, args), nprocs=2)

@@ -21,13 +21,13 @@ general paths.
 
 [Note: yield after a gloo wait] On the CPU the ranks' compute threads and gloo's threads
 share the cores. A thread woken from a collective's wait goes straight back to computing,
-while a gloo thread with work left (its side of the exchange, or the peer's: a rank finishes
-its half first) may be queued behind it on the same core; the scheduler need not preempt
-a computing thread before its time slice ends (4 ms at 250 Hz), and the peer waits that long.
+while a gloo thread with work left (this rank's data still on its way to a peer that has not
+finished) may be queued behind it on the same core; the scheduler need not preempt a
+computing thread before its time slice ends (4 ms at 250 Hz), and the peer waits that long.
 So after a gloo collective completes, the waiting thread yields once (``os.sched_yield``, a
 system call that returns at once when nothing else is runnable on its core). Measured on
 2 cores with 2 ranks and 25 units of 0.2M parameters (10 steps, three runs each way): forward
-gathers that one rank issued more than 3 ms after the other went from 39-43 to 18-25 in 250,
+gathers that one rank issued more than 3 ms after the other went from 39-44 to 18-25 in 250,
 and the step got 1-2% faster. It changes nothing but the order threads run in; NCCL waits do
 not block the host and are left alone.
 

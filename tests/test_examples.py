@@ -172,6 +172,17 @@ def test_own_cpu_charges_each_runtime_function_its_exclusive_cpu_per_phase():
     assert "ms per unit (9 units)" in out, out
 
 
+@pytest.mark.parametrize("flag", [[], ["--no-yield"]])
+def test_gather_waits_times_every_forward_gather_on_both_ranks(flag):
+    small = ["--shape", "default", "--vocab", "64", "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "2"]
+    out = _run([sys.executable, str(ROOT / "bench" / "gather_waits.py"), *small, *flag])
+    assert "18 forward gathers in 2 steps (9 per step)" in out, out  # the root and 8 blocks, each step
+    for name in ("from the later rank's issue to completion", "between the two ranks' issues"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        median, p90, most, over = [c.strip() for c in row.strip("|").split("|")[1:]]
+        assert 0 <= float(median) <= float(p90) <= float(most) and 0 <= int(over) <= 18, row
+
+
 def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimizer_state():
     out = _run([sys.executable, str(ROOT / "bench" / "memory.py"), "--world-sizes", "2"])
     row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
