@@ -151,8 +151,16 @@ def trace_config(args: argparse.Namespace) -> Dict[str, Any]:
     return {**SHAPES[args.shape], "vocab": args.vocab, "batch": args.batch, "seq": args.seq}
 
 
+def start_rank(rank: int, world: int, init_file: str, threads: int = 1) -> None:
+    """Join the gloo group of ``world`` ranks that rendezvous at ``init_file``, computing on ``threads`` threads."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+
 def end_rank() -> None:
-    """Leave the process group, once the caller dropped its model and optimizer."""
+    """Wait for the other ranks, then leave the process group (once the caller dropped its
+    model and optimizer)."""
+    dist.barrier()
     gc.collect()  # before the process group goes (gloo can abort at exit otherwise)
     dist.destroy_process_group()
 
@@ -278,9 +286,8 @@ def _cpu_split(before: Dict[int, int], after: Dict[int, int], steps: int) -> Lis
 def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options: Dict[str, Any], cfg: Dict[str, Any], out: str) -> None:
     if options.get("flatshard_path"):  # another checkout's flatshard (--baseline)
         sys.path.insert(0, options["flatshard_path"])
-    torch.set_num_threads(cfg["threads"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read when deepspeed is imported)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    start_rank(rank, world, init_file, cfg["threads"])
     model, optim = make_trainee(impl, options, cfg, rank)
     clock = PhaseClock()
     one_step = training_step(model, optim, cfg, rank, clock.mark)

@@ -23,7 +23,6 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -81,8 +80,7 @@ def summary(per_rank: List[List[Tuple[float, float]]], steps: int) -> str:
 
 
 def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    bench.start_rank(rank, world, init_file)
     if args.no_yield:
         import flatshard._collectives as collectives
 
@@ -102,7 +100,6 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], args: argp
     for _ in range(args.steps):
         one_step()
     torch.save(gathers(log), f"{out}.{rank}")
-    dist.barrier()
     del model, optim
     bench.end_rank()
 

@@ -22,8 +22,6 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -90,8 +88,7 @@ class HeapTrace(TorchDispatchMode):
 
 
 def _rank(rank: int, world: int, init_file: str, impl: str, cfg: Dict[str, Any], args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    bench.start_rank(rank, world, init_file)
     model, optim = bench.make_trainee(impl, {}, cfg, rank)
     trace = HeapTrace(heap_reader(), args.min_faults)
 
@@ -113,7 +110,6 @@ def _rank(rank: int, world: int, init_file: str, impl: str, cfg: Dict[str, Any],
         print("\n| step | page faults | heap grew (ops) | heap shrank (ops) |\n|---|---|---|---|")
         for step, (faults, grew, shrank) in sorted(trace.per_step.items()):
             print(f"| {step} | {faults:,} | {grew} | {shrank} |")
-    dist.barrier()
     del model, optim
     bench.end_rank()
 

@@ -17,7 +17,6 @@ FULL_SHARD keeps between its forward and backward).
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -57,8 +56,7 @@ class _GatheredPeak(TorchDispatchMode):
 def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) -> None:
     import bench
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    bench.start_rank(rank, world, init_file)
     example = bench._example()
     model = bench.build_model(example, cfg)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -81,8 +79,7 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     if rank == 0:
         torch.save({"total": total, "largest": largest, "row": row.tolist()}, out)
     del model, optim, one_step, tracker, handles
-    gc.collect()  # before the process group goes (gloo can abort at exit otherwise, as in bench.py)
-    dist.destroy_process_group()
+    bench.end_rank()
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import time
 from typing import Any, Callable, DefaultDict, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -141,35 +140,30 @@ def table(account: CpuAccount, steps: int, units: int, step_cpu: Dict[str, float
 
 
 def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    bench.start_rank(rank, world, init_file)
     account = CpuAccount()
     if rank == 0:
         instrument(account)  # (the other rank runs as it is: its collectives pair up all the same)
     model, optim = bench.make_trainee("flatshard", {}, cfg, rank)
-    step_cpu = {p: 0.0 for p in PHASES}
-    clock = {"phase": "forward", "since": time.thread_time()}
+    clock = bench.PhaseClock()  # the step thread's own time per phase, for comparison
 
     def mark(phase: str) -> None:
-        now = time.thread_time()
-        if clock["phase"] in step_cpu:
-            step_cpu[clock["phase"]] += now - clock["since"]
-        clock["phase"], clock["since"] = phase, now
+        clock.mark(phase)
         account.phase = phase
 
     one_step = bench.training_step(model, optim, cfg, rank, mark)
     for _ in range(args.warmup):
         one_step()
     account.reset()
-    step_cpu.update({p: 0.0 for p in PHASES})
+    clock.on = True
     for _ in range(args.steps):
         one_step()
     if rank == 0:
         from flatshard import ShardedDataParallel
 
         units = len(ShardedDataParallel.fsdp_modules(model))
+        step_cpu = {phase: clock.totals[phase][bench.SPLIT.index("cpu")] for phase in PHASES}
         print(table(account, args.steps, units, step_cpu, wrapper_cost()))
-    dist.barrier()
     del model, optim
     bench.end_rank()
 

@@ -91,14 +91,15 @@ class Pending:
     def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None, host_threads: bool = False) -> None:
         self._work = work
         self._finish = finish
-        # whether the collective runs on threads that share the cores with the caller (gloo)
-        self._yield_after = host_threads and work is not None and _sched_yield is not None
+        # ``host_threads``: the collective runs on threads that share the cores with the
+        # caller (gloo); the caller then yields once after waiting for it
+        self._yield = _sched_yield if host_threads and work is not None else None
 
     def wait(self) -> None:
         self.drain()
-        if self._yield_after and _sched_yield is not None:
-            self._yield_after = False
-            _sched_yield()  # see [Note: yield after a gloo wait]
+        if self._yield is not None:
+            give_way, self._yield = self._yield, None
+            give_way()  # see [Note: yield after a gloo wait]
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -175,7 +176,10 @@ class Communicator:
         else:
             self._note("all_gather", _all_gather_flat.__name__, sent, check)
             work = _all_gather_flat(output, shard, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, host_threads=self.gloo), async_op)
+        return _maybe_wait(self._pending(work), async_op)
+
+    def _pending(self, work: Any, finish: Optional[Callable[[], None]] = None) -> Pending:
+        return Pending(work, finish, host_threads=self.gloo)
 
     def _pairwise(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
         """Whether the two-rank exchange applies to ``whole`` (all chunks) and ``part`` (one
@@ -233,15 +237,15 @@ class Communicator:
                 if buffers is not None:
                     buffers.give(received)
 
-            return _maybe_wait(Pending(work, finish, host_threads=True), async_op)
+            return _maybe_wait(self._pending(work, finish), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None, host_threads=self.gloo), async_op)
+        return _maybe_wait(self._pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
         self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(Pending(work, lambda: tensor.div_(self.world_size), host_threads=self.gloo), async_op)
+        return _maybe_wait(self._pending(work, lambda: tensor.div_(self.world_size)), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Replace ``tensor`` in place by its elementwise ``"sum"`` or ``"max"`` over the ranks."""
