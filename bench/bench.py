@@ -7,8 +7,8 @@ A GPT-style model (token + position embedding, N transformer blocks, tied head) 
 with AdamW at world size 2. Every implementation runs in fresh rank processes (so peak memory
 is its own), in an order that alternates between rounds; per implementation the script prints
 the median step time (slowest rank per step), the peak resident memory of the largest rank, and
-the bytes each rank sends per step (loopback traffic during the measured steps, divided by
-steps and ranks), the page faults per rank and step, where the CPU time went (per rank and
+the bytes each rank sends per step (loopback traffic during the measured steps, plus what
+flatshard's ranks swap through shared memory, divided by steps and ranks), the page faults per rank and step, where the CPU time went (per rank and
 step: the thread that runs the step, and all other threads, which are gloo's communication
 threads), how busy the machine's cores were, then the ratios of flatshard to the others.
 A second table splits each phase of a step (forward with the loss, backward, optimizer step)
@@ -265,6 +265,18 @@ def _loopback_bytes() -> int:
     return 0
 
 
+def _shared_memory_bytes(model: Any) -> int:
+    """What a flatshard model's ranks have given each other through shared memory so far
+    ([Note: shared-memory exchange] in ``flatshard/_shared_memory.py``; 0 for anything else)."""
+    channels = {}
+    for module in model.modules():
+        for handle in getattr(getattr(module, "_unit", None), "handles", ()):
+            channel = getattr(handle.comm, "channel", None)
+            if channel is not None:
+                channels[id(channel)] = channel
+    return sum(getattr(channel, "published_bytes", 0) for channel in channels.values())
+
+
 def _thread_cpu() -> Dict[int, int]:
     """CPU nanoseconds each thread of this process has run (Linux; empty elsewhere)."""
     try:
@@ -292,7 +304,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     clock = PhaseClock()
     one_step = training_step(model, optim, cfg, rank, clock.mark)
     times: List[float] = []
-    sent = faults = 0
+    sent = faults = shared = 0
     cpu_before: Dict[int, int] = {}
     started = 0.0
 
@@ -300,6 +312,7 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
         if step == cfg["warmup"]:
             dist.barrier()
             sent = _loopback_bytes()
+            shared = _shared_memory_bytes(model)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu_before, started = _thread_cpu(), time.perf_counter()
             clock.on = True
@@ -318,7 +331,10 @@ def _rank(rank: int, world: int, init_file: str, label: str, impl: str, options:
     phases /= world * cfg["steps"]
     cpu = torch.tensor(_cpu_split(cpu_before, _thread_cpu(), cfg["steps"]))
     dist.all_reduce(cpu)  # summed over ranks
-    sent = _loopback_bytes() - sent
+    # (loopback counts every rank's traffic on the machine; shared memory, this rank's)
+    shared = torch.tensor([float(_shared_memory_bytes(model) - shared)])
+    dist.all_reduce(shared)
+    sent = _loopback_bytes() - sent + shared.item()
     faults = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)])
     dist.all_reduce(faults, op=dist.ReduceOp.MAX)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])

@@ -11,7 +11,9 @@ exact at op granularity) and the idle memory its buffer pool held at the end. Th
 parameters + gradients + optimizer state = 4 × total / N (AdamW: parameter, gradient and
 two moments; plus padding) and gathered at most the
 prefetch limit of full units (the unit computing and the one prefetched, plus the root, which
-FULL_SHARD keeps between its forward and backward).
+FULL_SHARD keeps between its forward and backward). The last column is the arena each rank of
+two on one host allocates up front in shared memory for swapping chunks with its peer ([Note:
+shared-memory exchange] in ``flatshard/_shared_memory.py``): three of the largest shard.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     idle = model._unit.ctx.buffers.held_bytes
-    row = torch.tensor([params, grads, state, tracker.peak, tracker.peak_with_idle, idle], dtype=torch.float64)
+    channels = {id(h.comm.channel): h.comm.channel for h in handles if h.comm.channel is not None}
+    arena = sum(c.capacity for c in channels.values() if c.state.name == "READY")
+    row = torch.tensor([params, grads, state, tracker.peak, tracker.peak_with_idle, idle, arena], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if rank == 0:
         torch.save({"total": total, "largest": largest, "row": row.tolist()}, out)
@@ -92,20 +96,24 @@ def main() -> None:
     cfg = dict(layers=8, dim=256, heads=4, batch=8, seq=128, vocab=4096, untied=False)
     cfg.update(bench.SHAPES[args.shape])
     print(f"shape {args.shape}: {cfg}")
-    print("| world size | params | grads | AdamW state | sum | 4 × total / N | gathered at most (in largest units) | gathered + idle pool at most | idle pool after the step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| world size | params | grads | AdamW state | sum | 4 × total / N | gathered at most (in largest units) "
+        "| gathered + idle pool at most | idle pool after the step | shared-memory arena (in largest units) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world in [int(w) for w in args.world_sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             out = f"{tmp}/out.pt"
             mp.spawn(_rank, args=(world, f"{tmp}/init", cfg, out), nprocs=world)
             res = torch.load(out)
-        params, grads, state, gathered, with_idle, idle = res["row"]
+        params, grads, state, gathered, with_idle, idle, arena = res["row"]
         total, largest = res["total"], res["largest"]
         held = params + grads + state
         print(
             f"| {world} | {params / MIB:.1f} | {grads / MIB:.1f} | {state / MIB:.1f} | {held / MIB:.1f} | "
             f"{4 * total / world / MIB:.1f} | {gathered / MIB:.1f} MiB ({gathered / largest:.2f}) | "
-            f"{with_idle / MIB:.1f} MiB ({with_idle / largest:.2f}) | {idle / MIB:.1f} |"
+            f"{with_idle / MIB:.1f} MiB ({with_idle / largest:.2f}) | {idle / MIB:.1f} | "
+            f"{arena / MIB:.1f} MiB ({arena / largest:.2f}) |"
         )
 
 

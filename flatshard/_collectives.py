@@ -31,6 +31,11 @@ gathers that one rank issued more than 3 ms after the other went from 39-44 to 1
 and the step got 1-2% faster. It changes nothing but the order threads run in; NCCL waits do
 not block the host and are left alone.
 
+[Note: pair exchange over shared memory] Where a ``Communicator`` has been given a
+shared-memory channel (``use_channel``; the runtime does so for the handles of two ranks on one
+host), the two-rank swaps go through it instead of gloo: see [Note: shared-memory exchange] in
+``_shared_memory``. Everything else keeps the paths above.
+
 All collectives can run asynchronously: they return a ``Pending`` to ``wait()`` on right
 before the result is needed (on CUDA, NCCL orders the work on its own stream and ``wait``
 makes the current stream wait for it, without blocking the host).
@@ -44,6 +49,7 @@ import os
 import pickle
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -56,6 +62,10 @@ ProcessGroup = dist.ProcessGroup
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _sched_yield: Optional[Callable[[], None]] = getattr(os, "sched_yield", None)  # (not on Windows)
+
+# What a two-rank swap is part of (a shared-memory channel's records say which).
+GATHER = 1
+REDUCE = 2
 
 
 def require_initialized() -> None:
@@ -82,6 +92,16 @@ def size_of(group: ProcessGroup) -> int:
 
 def backend_of(group: ProcessGroup) -> str:
     return str(dist.get_backend(group))
+
+
+def timeout_of(group: ProcessGroup) -> timedelta:
+    """The timeout ``group``'s collectives give up after (torch's default where the backend
+    does not say)."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+    return timeout if isinstance(timeout, timedelta) else dist.default_pg_timeout
 
 
 class Pending:
@@ -141,6 +161,16 @@ class Communicator:
         self.gloo = "gloo" in backend_of(group)
         # Told about every collective issued (tests' trace of a step); see ``observe``.
         self._observer: Optional[Callable[[CollectiveEvent], None]] = None
+        # Carries the two-rank swaps when set: [Note: pair exchange over shared memory].
+        self.channel: Optional[Any] = None
+        self.channel_label = ""  # what this communicator's chunks are of (the peer's must match)
+
+    def use_channel(self, channel: Optional[Any], label: str = "") -> None:
+        """Swap chunks with the peer through ``channel`` (a ``SharedMemoryChannel`` of this
+        group) where it takes them, as chunks of ``label`` (e.g. a unit: the peer's exchange
+        must be of the same); ``None``: gloo again."""
+        self.channel = channel
+        self.channel_label = label
 
     def observe(self, observer: Optional[Callable[[CollectiveEvent], None]]) -> None:
         """Call ``observer`` with a ``CollectiveEvent`` for each collective issued from now on
@@ -166,8 +196,13 @@ class Communicator:
         """Fill ``output`` (``world_size * shard.numel()`` elements) with every rank's shard, in rank order."""
         sent = shard.numel() * shard.element_size() * (self.world_size - 1)
         if self._pairwise(output, shard):
-            self._note("all_gather", "all_to_all_single", sent, check)
             halves = output.chunk(2)
+            if self.channel is not None and self.channel.takes(shard):
+                self._note("all_gather", "shared_memory", sent, check)
+                halves[self.rank].copy_(shard)
+                exchange = self.channel.exchange(GATHER, shard, halves[1 - self.rank].copy_, self.channel_label)
+                return _maybe_wait(Pending(exchange), async_op)
+            self._note("all_gather", "all_to_all_single", sent, check)
             work = self._swap_with_peer(halves[1 - self.rank], shard)
             halves[self.rank].copy_(shard)
         elif self.gloo:
@@ -212,6 +247,13 @@ class Communicator:
             output.copy_(full)
             return Pending(None)
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
+        if self._pairwise(full, output) and self.channel is not None:
+            halves = full.detach().chunk(2)
+            ours, theirs = halves[self.rank], halves[1 - self.rank]
+            if self.channel.takes(theirs):
+                self._note("reduce_scatter", "shared_memory", sent)
+                exchange = self.channel.exchange(REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
+                return _maybe_wait(Pending(exchange, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:
             if self._pairwise(full, output):

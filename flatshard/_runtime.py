@@ -40,10 +40,11 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._compile import dynamo_loaded, outside_graph
-from ._collectives import all_gather_object, differences, fingerprint, item_at
+from ._collectives import all_gather_object, differences, fingerprint, item_at, timeout_of
 from ._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
 from ._saved import SavedParamGuard
+from ._shared_memory import SharedMemoryChannel
 from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
 from .api import BackwardPrefetch, ShardingStrategy
 from .flat_param import FlatParamHandle
@@ -72,7 +73,28 @@ def lazy_init(unit: Unit) -> "RootRuntime":
     for member in runtime.units:
         member.bind(runtime)
         runtime.hook_new_trainables(member)
+    _share_memory(runtime.units)
     return runtime
+
+
+def _share_memory(units: Sequence[Unit]) -> None:
+    """Give the sharded handles of two ranks on gloo one shared-memory channel per process
+    group (whether it is used is settled at its first exchange): [Note: shared-memory
+    exchange] in ``_shared_memory``."""
+    by_group: Dict[int, List[Tuple[FlatParamHandle, str]]] = {}
+    for unit in units:
+        for index, handle in enumerate(unit.handles):
+            comm = handle.comm
+            if handle.sharded and comm.gloo and comm.world_size == 2 and comm.channel is None and handle.flat_param.device.type == "cpu":
+                label = f"unit {display_name(unit.name)}" if unit.name else display_name(unit.name)
+                label += f" (parameter group {index})" if len(unit.handles) > 1 else ""
+                by_group.setdefault(id(comm.group), []).append((handle, label))
+    for labelled in by_group.values():
+        group = labelled[0][0].comm.group
+        largest = max(h.shard_numel * max(4, h.flat_param.element_size()) for h, _ in labelled)
+        channel = SharedMemoryChannel(group, largest, timeout_of(group))
+        for handle, label in labelled:
+            handle.comm.use_channel(channel, label)
 
 
 # What ``run_forward`` is given, under torch.compile, to make a callable opaque to dynamo.

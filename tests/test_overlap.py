@@ -1,6 +1,7 @@
 """Asynchronous collectives overlap computation, prefetch stays bounded, and ranks that run
 different units get an error instead of a hang."""
 
+import os
 
 import torch
 from expecttest import TestCase
@@ -60,9 +61,17 @@ def _peak_with_mistargeted_prefetch(rank, world_size, limit):
     return rec.max_gathered
 
 
-def _divergent(rank, world_size, iteration):
+def _divergent(rank, world_size, iteration, shared_memory="1"):
     """Rank 1 runs blocks 1 and 2 swapped, from iteration ``iteration`` on: every rank must
-    raise (the message is returned per rank)."""
+    raise (the message is returned per rank). ``shared_memory``: FLATSHARD_SHARED_MEMORY."""
+    os.environ["FLATSHARD_SHARED_MEMORY"] = shared_memory
+    try:
+        return _divergent_run(rank, world_size, iteration)
+    finally:
+        os.environ.pop("FLATSHARD_SHARED_MEMORY")
+
+
+def _divergent_run(rank, world_size, iteration):
     module = build(n_blocks=3)
     model = wrap(module, "nested")
     tokens, targets = (local(t, rank) for t in batch(0, world_size))
@@ -100,6 +109,11 @@ class OrderCheckTest(TestCase):
         self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is gathering the parameters of unit 'blocks.1'; rank 1 is gathering the parameters of unit 'blocks.2'""")
 
     def test_different_order_in_a_later_iteration(self):
-        first, second = self.pool.run(_divergent, 2, 2, timeout=60)
+        # on gloo, the check at the end of every forward
+        first, second = self.pool.run(_divergent, 2, 2, "0", timeout=60)
         self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
         self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #2 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'""")
+        # through shared memory, already at the first all-gather that differs
+        first, second = self.pool.run(_divergent, 2, 2, timeout=60)
+        self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
+        self.assertExpectedInline(first, """[rank 0] the ranks disagree on collective #25 of this model (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 issued an all-gather of unit 'blocks.1' (592 bytes of torch.float32); rank 1 an all-gather of unit 'blocks.2' (592 bytes of torch.float32)""")

@@ -134,8 +134,9 @@ class BytesPerStepTest(TestCase):
     def test_a_sharded_step_on_gloo_sends_the_minimum(self):
         for strategy_name in ("FULL_SHARD", "SHARD_GRAD_OP"):
             for world_size in (2, 3):
-                # two ranks swap chunks with an all-to-all for both ([Note: pair exchange])
-                functions = ["all_to_all_single"] if world_size == 2 else ["all_gather", "all_to_all_single"]
+                # two ranks on one host swap chunks through shared memory for both ([Note:
+                # shared-memory exchange]); from three on, gloo's all-gather and all-to-all
+                functions = ["shared_memory"] if world_size == 2 else ["all_gather", "all_to_all_single"]
                 for sent, minimum in self.pool.run(_step_bytes, world_size, strategy_name):
                     self.assertEqual(sorted(sent), functions, (strategy_name, world_size))
                     self.assertEqual(sum(sent.values()), minimum, (strategy_name, world_size))
