@@ -178,6 +178,7 @@ class SharedMemoryChannel:
         self.problem = ""  # why the channel broke
         self.capacity = 0  # arena bytes, agreed by both ranks at connection
         self.capacity_hint = capacity_hint
+        self.prefix = ""  # the segments' path without the rank, once connecting
         self.timeout_s = timeout.total_seconds()
         self._mine: Optional[_Segment] = None
         self._theirs: Optional[_Segment] = None
@@ -220,7 +221,8 @@ class SharedMemoryChannel:
         self.capacity = max(_MIN_ARENA, min(3 * largest, largest + _ROOMY_ARENA))
         token = everyone[0]["token"]
         self._peer_pid = everyone[self.peer]["pid"]
-        paths = [os.path.join(SHM_DIR, f"flatshard-{token}-{r}") for r in (0, 1)]
+        self.prefix = os.path.join(SHM_DIR, f"flatshard-{token}-")
+        paths = [f"{self.prefix}{r}" for r in (0, 1)]
         created = self._create(paths[self.rank])
         opened = all(all_gather_object(created, group)) and self._open_peer(paths[self.peer])
         agreed = all(all_gather_object(opened, group))

@@ -71,7 +71,8 @@ def _swaps(rank: int, world_size: int) -> Dict[str, Any]:
         "gathered": gathered.tolist(), "mean": mean.tolist(), "sum": total.tolist(),
         "in_flight": in_flight, "functions": sorted(set(functions)),
         "state": comm.channel.state, "capacity": comm.channel.capacity, "deferrals": comm.channel.deferrals,
-        "left_in_dev_shm": glob.glob("/dev/shm/flatshard-*"),
+        "left_in_dev_shm": glob.glob(comm.channel.prefix + "*"),  # (this channel's segments)
+        "prefix": comm.channel.prefix,
     }
 
 
@@ -247,7 +248,7 @@ def _no_room(rank: int, world_size: int) -> Dict[str, Any]:
         comm.all_gather(gathered, torch.full((2,), float(rank)))
     finally:
         os.posix_fallocate = real
-    return {"state": comm.channel.state, "gathered": gathered.tolist(), "left_in_dev_shm": glob.glob("/dev/shm/flatshard-*")}
+    return {"state": comm.channel.state, "gathered": gathered.tolist(), "left_in_dev_shm": glob.glob(comm.channel.prefix + "*"), "prefix": comm.channel.prefix}
 
 
 def _train(rank: int, world_size: int, shared: bool) -> Dict[str, Any]:
@@ -297,6 +298,7 @@ class SharedMemoryExchangeTest(TestCase):
             for i, values in enumerate(got["in_flight"]):
                 expected = [i + 500.0] if i % 3 == 2 else [float(i), i + 1000.0]
                 self.assertEqual(values, expected, (rank, i))
+            self.assertTrue(got["prefix"].startswith("/dev/shm/flatshard-"), got["prefix"])
             self.assertEqual(got["left_in_dev_shm"], [])
             if rank == 0:
                 self.assertEqual(got["deferrals"], 8)
@@ -345,6 +347,7 @@ class SharedMemoryExchangeTest(TestCase):
         for got in self.pool.run(_no_room, 2):
             self.assertEqual(got["state"], ChannelState.UNAVAILABLE)
             self.assertEqual(got["gathered"], [0.0, 0.0, 1.0, 1.0])
+            self.assertTrue(got["prefix"].startswith("/dev/shm/flatshard-"), got["prefix"])
             self.assertEqual(got["left_in_dev_shm"], [])
 
     def test_training_through_shared_memory_is_bit_identical_to_gloo(self) -> None:
