@@ -64,8 +64,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _sched_yield: Optional[Callable[[], None]] = getattr(os, "sched_yield", None)  # (not on Windows)
 
 # What a two-rank swap is part of (a shared-memory channel's records say which).
-GATHER = 1
-REDUCE = 2
+SWAP_GATHER = 1
+SWAP_REDUCE = 2
 
 
 def require_initialized() -> None:
@@ -200,7 +200,7 @@ class Communicator:
             if self.channel is not None and self.channel.takes(shard):
                 self._note("all_gather", "shared_memory", sent, check)
                 halves[self.rank].copy_(shard)
-                exchange = self.channel.exchange(GATHER, shard, halves[1 - self.rank].copy_, self.channel_label)
+                exchange = self.channel.exchange(SWAP_GATHER, shard, halves[1 - self.rank].copy_, self.channel_label)
                 return _maybe_wait(Pending(exchange), async_op)
             self._note("all_gather", "all_to_all_single", sent, check)
             work = self._swap_with_peer(halves[1 - self.rank], shard)
@@ -252,7 +252,7 @@ class Communicator:
             ours, theirs = halves[self.rank], halves[1 - self.rank]
             if self.channel.takes(theirs):
                 self._note("reduce_scatter", "shared_memory", sent)
-                exchange = self.channel.exchange(REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
+                exchange = self.channel.exchange(SWAP_REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
                 return _maybe_wait(Pending(exchange, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:

@@ -51,11 +51,12 @@ import time
 import weakref
 from collections import deque
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ._collectives import GATHER, REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
+from ._collectives import SWAP_GATHER, SWAP_REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
 
 ENV_SWITCH = "FLATSHARD_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
@@ -71,13 +72,9 @@ _SPIN_S = 30e-6  # how long a wait polls before it sleeps on the FIFO
 _SLEEP_S = 0.1  # longest sleep between checks (that the peer process still runs)
 _MIN_ARENA = 1 << 20
 _ROOMY_ARENA = 256 << 20  # beyond one largest chunk, the arena grows no larger than this
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)
 
 _CLOSED = "rank {peer} closed its end of the shared-memory exchange (its process exited or its model was freed)"
-_KIND_NAMES = {GATHER: "all-gather", REDUCE: "reduce-scatter"}
+_KIND_NAMES = MappingProxyType({SWAP_GATHER: "all-gather", SWAP_REDUCE: "reduce-scatter"})
 
 
 class ChannelState(enum.Enum):
@@ -88,7 +85,13 @@ class ChannelState(enum.Enum):
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+    return fingerprint(str(dtype))
+
+
+# Every dtype torch has, by the code a record gives it (to name the peer's).
+_DTYPE_NAMES = MappingProxyType({
+    _dtype_code(d): str(d) for d in (getattr(torch, name) for name in dir(torch)) if isinstance(d, torch.dtype)
+})
 
 
 def _a(text: str) -> str:
@@ -195,6 +198,7 @@ class SharedMemoryChannel:
         self.deferrals = 0  # chunks that had to wait for room in the arena (diagnostics)
         self.published_bytes = 0  # all chunks this rank has given the peer (diagnostics)
         self._labels: Dict[int, str] = {}  # digest -> label of this rank's exchanges (to name the peer's)
+        self._poller: Optional[Any] = None  # waits on the FIFO (poll: no limit on fd numbers)
 
     # -- connecting ---------------------------------------------------------------------
 
@@ -213,8 +217,8 @@ class SharedMemoryChannel:
         group = self._group()
         if group is None:
             raise RuntimeError("the process group of this ShardedDataParallel model was destroyed")
+        self.state = ChannelState.UNAVAILABLE  # (also if a collective below raises: never retried)
         everyone = all_gather_object(_local_facts(self.capacity_hint), group)
-        self.state = ChannelState.UNAVAILABLE
         if not _usable(everyone):
             return
         largest = _aligned(max(f["hint"] for f in everyone))
@@ -223,15 +227,18 @@ class SharedMemoryChannel:
         self._peer_pid = everyone[self.peer]["pid"]
         self.prefix = os.path.join(SHM_DIR, f"flatshard-{token}-")
         paths = [f"{self.prefix}{r}" for r in (0, 1)]
-        created = self._create(paths[self.rank])
-        opened = all(all_gather_object(created, group)) and self._open_peer(paths[self.peer])
-        agreed = all(all_gather_object(opened, group))
-        if created:  # both ranks mapped both segments, or gave up: the names can go
-            _unlink([paths[self.rank], paths[self.rank] + ".bell"])
+        created = agreed = False
+        try:
+            created = self._create(paths[self.rank])
+            opened = all(all_gather_object(created, group)) and self._open_peer(paths[self.peer])
+            agreed = all(all_gather_object(opened, group))
+        finally:
+            if created:  # both ranks mapped both segments, or gave up, or failed: the names can go
+                _unlink([paths[self.rank], paths[self.rank] + ".bell"])
         if agreed:
             self.state = ChannelState.READY
         else:
-            self._mine = self._theirs = None
+            self._mine = self._theirs = self._poller = None
             _close_fds(self._fds)
             del self._fds[:]  # (the finalizer holds this list)
 
@@ -253,6 +260,8 @@ class SharedMemoryChannel:
             made.append(path + ".bell")
             self._bell_in = os.open(path + ".bell", os.O_RDONLY | os.O_NONBLOCK)
             self._fds.append(self._bell_in)
+            self._poller = select.poll()
+            self._poller.register(self._bell_in, select.POLLIN)
         except OSError:
             _unlink(made)
             return False
@@ -370,7 +379,7 @@ class SharedMemoryChannel:
                 return
             kind, code, nbytes, offset, tag = theirs.words[slot + 1 : slot + 6].tolist()
             if (kind, code, nbytes, tag) != op.key():
-                dtype = _DTYPES[code - 1] if 0 < code <= len(_DTYPES) else "an unknown dtype"
+                dtype = _DTYPE_NAMES.get(code, "an unknown dtype")
                 label = self._labels.get(tag, "something this rank never exchanged")
                 said = {self.rank: op.describe(), self.peer: _describe(kind, label, nbytes, dtype)}
                 self._break(
@@ -392,7 +401,9 @@ class SharedMemoryChannel:
         While chunks wait for room, sleep 1 ms at most: the peer rings after taking a chunk
         only if it sees this rank's flag, and its read of the flag may pass its write of the
         acknowledgement (x86 orders stores, not a store before a later load)."""
-        ready, _, _ = select.select([self._bell_in], [], [], 0.001 if self._deferred else _SLEEP_S)
+        if self._poller is None:
+            raise AssertionError(f"[rank {self.rank}] shared-memory exchange waited before it was connected")
+        ready = self._poller.poll(1 if self._deferred else int(_SLEEP_S * 1000))
         if not ready:
             # (a child the peer forked after connecting keeps the FIFO open when it dies)
             if _exited(self._peer_pid):
@@ -450,11 +461,20 @@ def _local_facts(hint: int) -> Dict[str, Any]:
         "enabled": os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no", "off"),
         "machine": platform.machine(),
         "host": (socket.gethostname(), read("/proc/sys/kernel/random/boot_id"), namespace()),
-        "writable": os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) and hasattr(os, "posix_fallocate"),
+        "writable": available_here(),
         "token": secrets.token_hex(8),
         "pid": os.getpid(),
         "hint": hint,
     }
+
+
+def available_here() -> bool:
+    """Whether this process could share memory with a peer on its host (x86, a writable
+    ``/dev/shm``, the system calls needed); the peer and the switch are asked at connection."""
+    return (
+        platform.machine() in _IN_ORDER_STORES and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+        and hasattr(os, "posix_fallocate") and hasattr(os, "mkfifo") and hasattr(select, "poll")
+    )
 
 
 def _exited(pid: int) -> bool:
