@@ -265,16 +265,21 @@ def _loopback_bytes() -> int:
     return 0
 
 
-def _shared_memory_bytes(model: Any) -> int:
-    """What a flatshard model's ranks have given each other through shared memory so far
-    ([Note: shared-memory exchange] in ``flatshard/_shared_memory.py``; 0 for anything else)."""
+def shared_memory_channels(model: Any) -> List[Any]:
+    """The shared-memory channels of a flatshard model's handles ([Note: shared-memory
+    exchange] in ``flatshard/_shared_memory.py``), each once; none for anything else."""
     channels = {}
     for module in model.modules():
         for handle in getattr(getattr(module, "_unit", None), "handles", ()):
             channel = getattr(handle.comm, "channel", None)
             if channel is not None:
                 channels[id(channel)] = channel
-    return sum(getattr(channel, "published_bytes", 0) for channel in channels.values())
+    return list(channels.values())
+
+
+def _shared_memory_bytes(model: Any) -> int:
+    """What this rank has given its peer through shared memory so far."""
+    return sum(getattr(channel, "published_bytes", 0) for channel in shared_memory_channels(model))
 
 
 def _thread_cpu() -> Dict[int, int]:

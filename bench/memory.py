@@ -76,8 +76,7 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     idle = model._unit.ctx.buffers.held_bytes
-    channels = {id(h.comm.channel): h.comm.channel for h in handles if h.comm.channel is not None}
-    arena = sum(c.capacity for c in channels.values() if c.state.name == "READY")
+    arena = sum(c.capacity for c in bench.shared_memory_channels(model) if c.state.name == "READY")
     row = torch.tensor([params, grads, state, tracker.peak, tracker.peak_with_idle, idle, arena], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if rank == 0:

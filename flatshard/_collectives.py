@@ -247,41 +247,32 @@ class Communicator:
             output.copy_(full)
             return Pending(None)
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
-        if self._pairwise(full, output) and self.channel is not None:
-            halves = full.detach().chunk(2)
-            ours, theirs = halves[self.rank], halves[1 - self.rank]
-            if self.channel.takes(theirs):
-                self._note("reduce_scatter", "shared_memory", sent)
-                exchange = self.channel.exchange(SWAP_REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
-                return _maybe_wait(Pending(exchange, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
+        if self._pairwise(full, output):
+            return _maybe_wait(self._reduce_with_peer(output, full, divisor, buffers, sent), async_op)
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:
-            if self._pairwise(full, output):
-                # Two ranks swap the chunk the peer keeps for the one we keep ([Note: pair
-                # exchange]); detached, as under ``backward(create_graph=True)`` the gradient
-                # requires grad while the reduced shard is data, as what gloo hands back is.
-                halves = full.detach().chunk(2)
-                ours, theirs = halves[self.rank], halves[1 - self.rank]
-                received = _scratch(buffers, ours)
-                work = self._swap_with_peer(received, theirs)
-                parts: Sequence[torch.Tensor] = (ours, received)
-            else:
-                received = _scratch(buffers, full)
-                work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
-                parts = received.chunk(world)  # chunk r: what rank r holds of our part
-
-            def finish() -> None:
-                torch.add(parts[0], parts[1], out=output)
-                for part in parts[2:]:
-                    output.add_(part)
-                if divisor != 1:
-                    output.div_(divisor)
-                if buffers is not None:
-                    buffers.give(received)
-
-            return _maybe_wait(self._pending(work, finish), async_op)
+            received = _scratch(buffers, full)
+            work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
+            # chunk r of what arrives: what rank r holds of our part
+            return _maybe_wait(self._pending(work, _summing(output, received.chunk(world), divisor, buffers, received)), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return _maybe_wait(self._pending(work, (lambda: output.div_(divisor)) if divisor != 1 else None), async_op)
+        return _maybe_wait(self._pending(work, _dividing(output, divisor)), async_op)
+
+    def _reduce_with_peer(self, output: torch.Tensor, full: torch.Tensor, divisor: int, buffers: Optional[BufferPool], sent: int) -> Pending:
+        """Two ranks swap the chunk the peer keeps for the one we keep ([Note: pair exchange]),
+        through the shared-memory channel where it takes it. Detached: under
+        ``backward(create_graph=True)`` the gradient requires grad while the reduced shard is
+        data, as what gloo hands back is."""
+        halves = full.detach().chunk(2)
+        ours, theirs = halves[self.rank], halves[1 - self.rank]
+        if self.channel is not None and self.channel.takes(theirs):
+            self._note("reduce_scatter", "shared_memory", sent)
+            exchange = self.channel.exchange(SWAP_REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
+            return Pending(exchange, _dividing(output, divisor))
+        self._note("reduce_scatter", "all_to_all_single", sent)
+        received = _scratch(buffers, ours)
+        work = self._swap_with_peer(received, theirs)
+        return self._pending(work, _summing(output, (ours, received), divisor, buffers, received))
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
@@ -324,6 +315,26 @@ def _scratch(buffers: Optional[BufferPool], like: torch.Tensor) -> torch.Tensor:
     if buffers is None:
         return torch.empty_like(like)
     return buffers.new(like.numel(), like.dtype, like.device)
+
+
+def _dividing(output: torch.Tensor, divisor: int) -> Optional[Callable[[], None]]:
+    """The finishing step that turns a sum in ``output`` into a mean (none for a sum)."""
+    return (lambda: output.div_(divisor)) if divisor != 1 else None
+
+
+def _summing(output: torch.Tensor, parts: Sequence[torch.Tensor], divisor: int, buffers: Optional[BufferPool], received: torch.Tensor) -> Callable[[], None]:
+    """The finishing step of a reduce-scatter over gloo: ``output`` = the sum of ``parts`` in
+    rank order (divided by ``divisor``); then the receive buffer goes back to ``buffers``."""
+    def finish() -> None:
+        torch.add(parts[0], parts[1], out=output)
+        for part in parts[2:]:
+            output.add_(part)
+        if divisor != 1:
+            output.div_(divisor)
+        if buffers is not None:
+            buffers.give(received)
+
+    return finish
 
 
 def _maybe_wait(pending: Pending, async_op: bool) -> Pending:

@@ -86,7 +86,7 @@ def _share_memory(units: Sequence[Unit]) -> None:
         for index, handle in enumerate(unit.handles):
             comm = handle.comm
             if handle.sharded and comm.gloo and comm.world_size == 2 and comm.channel is None and handle.flat_param.device.type == "cpu":
-                label = f"unit {display_name(unit.name)}" if unit.name else display_name(unit.name)
+                label = ("unit " if unit.name else "") + display_name(unit.name)
                 label += f" (parameter group {index})" if len(unit.handles) > 1 else ""
                 by_group.setdefault(id(comm.group), []).append((handle, label))
     for labelled in by_group.values():

@@ -84,13 +84,9 @@ class ChannelState(enum.Enum):
     BROKEN = "broken"  # the ranks disagreed or the peer left: every wait raises
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
-    return fingerprint(str(dtype))
-
-
-# Every dtype torch has, by the code a record gives it (to name the peer's).
-_DTYPE_NAMES = MappingProxyType({
-    _dtype_code(d): str(d) for d in (getattr(torch, name) for name in dir(torch)) if isinstance(d, torch.dtype)
+# The code a record gives each dtype torch has (a digest of its name, the same in every process).
+_DTYPE_CODES = MappingProxyType({
+    d: fingerprint(str(d)) for d in (getattr(torch, name) for name in dir(torch)) if isinstance(d, torch.dtype)
 })
 
 
@@ -107,15 +103,18 @@ class Exchange:
     called with a view of the peer's chunk once it is there. ``label``: what the chunk is of
     (e.g. a unit), for messages."""
 
-    __slots__ = ("channel", "seq", "kind", "dtype", "nbytes", "label", "arrive", "done", "published")
+    __slots__ = ("channel", "seq", "kind", "dtype", "nbytes", "label", "key", "arrive", "done", "published")
 
-    def __init__(self, channel: "SharedMemoryChannel", seq: int, kind: int, dtype: torch.dtype, nbytes: int, label: str, arrive: Callable[[torch.Tensor], Any]) -> None:
+    def __init__(self, channel: "SharedMemoryChannel", seq: int, kind: int, dtype: torch.dtype, nbytes: int, label: str, tag: int, arrive: Callable[[torch.Tensor], Any]) -> None:
         self.channel = channel
         self.seq = seq
         self.kind = kind
         self.dtype = dtype
         self.nbytes = nbytes
         self.label = label
+        # What this rank's record says and the peer's record of the same exchange must say
+        # (``tag``: the label's digest).
+        self.key = (kind, _DTYPE_CODES.get(dtype) or fingerprint(str(dtype)), nbytes, tag)
         self.arrive = arrive
         self.done = False  # the peer's chunk has arrived
         self.published = False  # this rank's chunk is in the arena (not kept aside)
@@ -123,16 +122,8 @@ class Exchange:
     def wait(self) -> None:
         self.channel.complete(self)
 
-    def key(self) -> Tuple[int, int, int, int]:
-        """What the peer's record of the same exchange must say."""
-        return (self.kind, _dtype_code(self.dtype), self.nbytes, _tag(self.label))
-
     def describe(self) -> str:
         return _describe(self.kind, self.label, self.nbytes, self.dtype)
-
-
-def _tag(label: str) -> int:
-    return fingerprint(label) if label else 0
 
 
 def _describe(kind: int, label: str, nbytes: int, dtype: Any) -> str:
@@ -152,18 +143,11 @@ class _Segment:
         return self.arena[offset : offset + nbytes].view(dtype)
 
 
-def _unlink(paths: List[str]) -> None:
-    for path in paths:
+def _quietly(action: Callable[[Any], Any], items: List[Any]) -> None:
+    """``action(item)`` for each item, ignoring OS errors (cleaning up what may be gone)."""
+    for item in items:
         try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def _close_fds(fds: List[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
+            action(item)
         except OSError:
             pass
 
@@ -197,7 +181,7 @@ class SharedMemoryChannel:
         self._finalizer: Optional[weakref.finalize] = None
         self.deferrals = 0  # chunks that had to wait for room in the arena (diagnostics)
         self.published_bytes = 0  # all chunks this rank has given the peer (diagnostics)
-        self._labels: Dict[int, str] = {}  # digest -> label of this rank's exchanges (to name the peer's)
+        self._tags: Dict[str, int] = {}  # label -> digest, of this rank's exchanges (the peer's are named by it)
         self._poller: Optional[Any] = None  # waits on the FIFO (poll: no limit on fd numbers)
 
     # -- connecting ---------------------------------------------------------------------
@@ -234,18 +218,18 @@ class SharedMemoryChannel:
             agreed = all(all_gather_object(opened, group))
         finally:
             if created:  # both ranks mapped both segments, or gave up, or failed: the names can go
-                _unlink([paths[self.rank], paths[self.rank] + ".bell"])
+                _quietly(os.unlink, [paths[self.rank], paths[self.rank] + ".bell"])
         if agreed:
             self.state = ChannelState.READY
         else:
             self._mine = self._theirs = self._poller = None
-            _close_fds(self._fds)
+            _quietly(os.close, self._fds)
             del self._fds[:]  # (the finalizer holds this list)
 
     def _create(self, path: str) -> bool:
         """Make, size and map this rank's segment and its FIFO (``False``: not possible here;
         whatever was made is removed again)."""
-        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+        self._finalizer = weakref.finalize(self, _quietly, os.close, self._fds)
         size = _HEADER_BYTES + self.capacity
         made: List[str] = []
         try:
@@ -263,7 +247,7 @@ class SharedMemoryChannel:
             self._poller = select.poll()
             self._poller.register(self._bell_in, select.POLLIN)
         except OSError:
-            _unlink(made)
+            _quietly(os.unlink, made)
             return False
         return True
 
@@ -289,8 +273,10 @@ class SharedMemoryChannel:
         what the chunk is of; the peer's exchange must have the same."""
         self._check_usable()
         self._seq += 1
-        op = Exchange(self, self._seq, kind, chunk.dtype, chunk.numel() * chunk.element_size(), label, arrive)
-        self._labels.setdefault(_tag(label), label)
+        tag = self._tags.get(label)
+        if tag is None:
+            tag = self._tags[label] = fingerprint(label) if label else 0
+        op = Exchange(self, self._seq, kind, chunk.dtype, chunk.numel() * chunk.element_size(), label, tag, arrive)
         self._receiving.append(op)
         self.published_bytes += op.nbytes
         if self._deferred or not self._publish(op, chunk):
@@ -340,7 +326,7 @@ class SharedMemoryChannel:
             return False
         mine.chunk(offset, nbytes, chunk.dtype).copy_(chunk.detach())
         words = mine.words
-        kind, code, _, tag = op.key()
+        kind, code, _, tag = op.key
         words[slot + 1], words[slot + 2], words[slot + 3], words[slot + 4], words[slot + 5] = kind, code, nbytes, offset, tag
         words[slot] = seq  # last: the record is visible from here on
         op.published = True
@@ -378,9 +364,9 @@ class SharedMemoryChannel:
             if theirs.words[slot] != op.seq:
                 return
             kind, code, nbytes, offset, tag = theirs.words[slot + 1 : slot + 6].tolist()
-            if (kind, code, nbytes, tag) != op.key():
-                dtype = _DTYPE_NAMES.get(code, "an unknown dtype")
-                label = self._labels.get(tag, "something this rank never exchanged")
+            if (kind, code, nbytes, tag) != op.key:
+                dtype = next((str(d) for d, c in _DTYPE_CODES.items() if c == code), "an unknown dtype")
+                label = next((text for text, t in self._tags.items() if t == tag), "something this rank never exchanged")
                 said = {self.rank: op.describe(), self.peer: _describe(kind, label, nbytes, dtype)}
                 self._break(
                     f"[rank {self.rank}] the ranks disagree on collective #{op.seq} of this model "

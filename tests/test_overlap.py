@@ -2,6 +2,7 @@
 different units get an error instead of a hang."""
 
 import os
+from unittest import mock
 
 import torch
 from expecttest import TestCase
@@ -65,15 +66,8 @@ def _peak_with_mistargeted_prefetch(rank, world_size, limit):
 def _divergent(rank, world_size, iteration, shared_memory="1"):
     """Rank 1 runs blocks 1 and 2 swapped, from iteration ``iteration`` on: every rank must
     raise (the message is returned per rank). ``shared_memory``: FLATSHARD_SHARED_MEMORY."""
-    before = os.environ.get("FLATSHARD_SHARED_MEMORY")
-    os.environ["FLATSHARD_SHARED_MEMORY"] = shared_memory
-    try:
+    with mock.patch.dict(os.environ, {"FLATSHARD_SHARED_MEMORY": shared_memory}):
         return _divergent_run(rank, world_size, iteration)
-    finally:
-        if before is None:
-            os.environ.pop("FLATSHARD_SHARED_MEMORY")
-        else:
-            os.environ["FLATSHARD_SHARED_MEMORY"] = before
 
 
 def _divergent_run(rank, world_size, iteration):

@@ -13,6 +13,7 @@ import os
 import random
 import time
 import unittest
+from unittest import mock
 from datetime import timedelta
 from typing import Any, Dict, List, Tuple
 
@@ -235,20 +236,12 @@ def _peer_never_comes(rank: int, world_size: int) -> str:
 
 
 def _switched_off(rank: int, world_size: int) -> Dict[str, Any]:
-    old = os.environ.get(ENV_SWITCH)
-    if rank == 1:
-        os.environ[ENV_SWITCH] = "0"
-    try:
+    with mock.patch.dict(os.environ, {ENV_SWITCH: "0"} if rank == 1 else {}):
         comm = _channel_comm()
         functions: List[str] = []
         comm.observe(lambda event: functions.append(event.op))
         gathered = torch.empty(4)
         comm.all_gather(gathered, torch.full((2,), float(rank)))
-    finally:
-        if old is None:
-            os.environ.pop(ENV_SWITCH, None)
-        else:
-            os.environ[ENV_SWITCH] = old
     return {"state": comm.channel.state, "functions": functions, "gathered": gathered.tolist()}
 
 
@@ -271,9 +264,7 @@ def _no_room(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def _train(rank: int, world_size: int, shared: bool) -> Dict[str, Any]:
-    old = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "1" if shared else "0"
-    try:
+    with mock.patch.dict(os.environ, {ENV_SWITCH: "1" if shared else "0"}):
         gen = torch.Generator().manual_seed(0)
         layers = [nn.Linear(16, 16) for _ in range(3)]
         for layer in layers:
@@ -292,11 +283,6 @@ def _train(rank: int, world_size: int, shared: bool) -> Dict[str, Any]:
         channels = [h.comm.channel for u in _units(model) for h in u.handles]
         states = sorted({c.state.name if c else "none" for c in channels})
         timeouts = sorted({c.timeout_s for c in channels if c})
-    finally:
-        if old is None:
-            os.environ.pop(ENV_SWITCH, None)
-        else:
-            os.environ[ENV_SWITCH] = old
     return {"params": params, "states": states, "timeouts": timeouts}
 
 
