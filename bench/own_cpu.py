@@ -40,10 +40,12 @@ MEASURED: List[Tuple[str, str, str]] = [
     for name in ("start_forward", "finish_forward", "pre_backward_hook", "post_backward", "inputs_done", "finalize_backward")
 ] + [
     ("flatshard.flat_param", "FlatParamHandle", name)
-    for name in ("unshard", "wait", "use_views", "drop_views", "reshard", "sync_requires_grad", "reduce_grad", "finish_reduction")
+    for name in ("unshard", "wait", "use_views", "drop_views", "reshard", "sync_requires_grad", "take_user_writes")
 ] + [
-    ("flatshard.flat_param", "_SplitWithPooledGrad", "forward"),
-    ("flatshard.flat_param", "_SplitWithPooledGrad", "backward"),
+    ("flatshard._handle_grads", "HandleGrads", name) for name in ("reduce_grad", "finish_reduction")
+] + [
+    ("flatshard._handle_grads", "SplitWithPooledGrad", "forward"),
+    ("flatshard._handle_grads", "SplitWithPooledGrad", "backward"),
     ("flatshard._collectives", "Communicator", "all_gather"),
     ("flatshard._collectives", "Communicator", "reduce_scatter_mean"),
     ("flatshard._collectives", "Pending", "wait"),

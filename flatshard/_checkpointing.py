@@ -62,6 +62,32 @@ def check_idle(units: Sequence[Unit], what: str) -> None:
             )
 
 
+def take_user_writes(units: Sequence[Unit], what: str) -> None:
+    """Before ``what`` reads or overwrites the shards: take into them what the user wrote to the
+    parameters where they do not see it (``FlatParamHandle.take_user_writes``). A rank that
+    cannot (a value of the wrong shape, a split tie) raises its error and the others raise
+    naming it, before any collective of ``what`` (one small all-gather when sharded)."""
+    error: Optional[Exception] = None
+    try:
+        for handle in (h for unit in units for h in unit.handles):
+            handle.take_user_writes()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        error = exc
+    raise_together(units, error, f"{what}: nothing was done, because rank {{rank}} could not take a write to its parameters into its shards (see its error)")
+
+
+def raise_together(units: Sequence[Unit], error: Optional[Exception], others: str) -> None:
+    """Raise on every rank if any rank has an ``error`` (one small all-gather when sharded): a
+    rank its own, the others a ``RuntimeError`` saying ``others`` (``{rank}``: the first rank
+    that failed). Nothing happens if no rank has one."""
+    if units and units[0].world_size > 1:
+        failed = units[0].comm.gather_ints(int(error is not None), units[0].device)
+        if error is None and any(failed):
+            raise RuntimeError(f"[rank {units[0].rank}] " + others.format(rank=failed.index(1)))
+    if error is not None:
+        raise error
+
+
 def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
     """Before reading gradients: outside ``no_sync()``, average what ``no_sync`` backwards left
     that no synchronised backward averaged (collective, as ``optimizer.step()`` does; see

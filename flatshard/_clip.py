@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from ._checkpointing import check_grads_averaged, check_idle
+from ._checkpointing import check_grads_averaged, check_idle, take_user_writes
 from ._unit import BackwardState, Unit
 from .flat_param import FlatParamHandle
 
@@ -87,6 +87,7 @@ def _check_callable(root_unit: Unit) -> List[Unit]:
         )
     units = [root_unit] + [unit for _, unit in root_unit.descendants]
     check_idle(units, _WHAT)
+    take_user_writes(units, _WHAT)
     ctx = root_unit.ctx
     if ctx is not None and ctx.backward_state is not BackwardState.IDLE:
         raise RuntimeError(f"{root_unit.where()}: {_WHAT} cannot be used during backward; call it after backward")

@@ -50,7 +50,7 @@ import pickle
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,6 +164,13 @@ class Communicator:
         # Carries the two-rank swaps when set: [Note: pair exchange over shared memory].
         self.channel: Optional[Any] = None
         self.channel_label = ""  # what this communicator's chunks are of (the peer's must match)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Communicator":
+        """A copied model talks over the same group, through an exchange of its own (made at
+        its first forward) and unobserved: see [Note: deep copies] in ``_deepcopy``."""
+        new = Communicator(self.group)
+        memo[id(self)] = new
+        return new
 
     def use_channel(self, channel: Optional[Any], label: str = "") -> None:
         """Swap chunks with the peer through ``channel`` (a ``SharedMemoryChannel`` of this

@@ -4,10 +4,11 @@ nested-output helpers. Nothing here talks to other ranks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections import OrderedDict
 from enum import Enum, auto
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Type, TypeVar
 
 import torch
 
@@ -17,7 +18,6 @@ from ._buffer_pool import BufferPool
 # parameter names (e.g. torch.distributed.checkpoint helpers) strip ours too.
 WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
-_WRAPPED_PREFIX = WRAPPED_MODULE + "."
 
 
 class TrainingState(Enum):
@@ -58,10 +58,14 @@ def guard_transition(current: _S, allowed_from: Iterable[_S], target: _S, where:
 
 
 def clean_name(name: str) -> str:
-    """The user-facing name of a module or parameter: wrapper prefixes removed."""
-    if name == WRAPPED_MODULE:
-        return ""
-    return name.replace(_WRAPPED_PREFIX, "").replace("." + WRAPPED_MODULE, "")
+    """The user-facing name of a module or parameter from its path in the wrapped model: the
+    attributes under which transparent wrappers hold the module they wrap left out --
+    flatshard's (and FSDP1's) ``_fsdp_wrapped_module``, torch's activation-checkpoint and
+    offload wrappers' ``_checkpoint_wrapped_module``, ``torch.compile``'s ``_orig_mod`` (see
+    [Note: wrapper prefixes] in ``_plain_view``). Whole path components only, so a user's
+    module named e.g. ``my_orig_mod`` keeps its name."""
+    wrapper_attributes = (WRAPPED_MODULE, "_checkpoint_wrapped_module", "_orig_mod")
+    return ".".join(part for part in name.split(".") if part not in wrapper_attributes)
 
 
 def join_name(prefix: str, name: str) -> str:
@@ -195,3 +199,15 @@ def attribute_set(objects: Sequence[Any], name: str, value: Any) -> Iterator[Non
     finally:
         for obj, old in zip(objects, previous):
             setattr(obj, name, old)
+
+
+def copy_fields(obj: Any, memo: Dict[int, Any], given: Mapping[str, Any]) -> Any:
+    """For ``__deepcopy__``: a new object of ``obj``'s class whose attributes are deep copies
+    of ``obj``'s, except those named in ``given``, which get the values given (an object to
+    share with the original, or per-copy state made anew). See [Note: deep copies] in
+    ``_deepcopy``."""
+    new = type(obj).__new__(type(obj))
+    memo[id(obj)] = new
+    for key, value in vars(obj).items():
+        new.__dict__[key] = given[key] if key in given else copy.deepcopy(value, memo)
+    return new

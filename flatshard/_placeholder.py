@@ -32,6 +32,14 @@ class ParamPlaceholder(torch.Tensor):
     def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, requires_grad: bool) -> None:
         super().__init__()
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "ParamPlaceholder":
+        """A copied model's placeholder (see [Note: deep copies] in ``_deepcopy``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            shape, dtype, requires_grad = self.shape, self.dtype, self.requires_grad
+        new = ParamPlaceholder(self.param_name, shape, dtype, requires_grad)
+        memo[id(self)] = new
+        return new
+
     def __repr__(self, *, tensor_contents: Optional[str] = None) -> str:  # type: ignore[override]
         return f"ParamPlaceholder('{self.param_name}', shape={tuple(self.shape)}, dtype={self.dtype}; sharded)"
 

@@ -166,6 +166,24 @@ def reduce_held(ctx: Optional[RootContext]) -> None:
         ctx.reduce_held()
 
 
+def before_step(ctx: Optional[RootContext]) -> None:
+    """Before an optimizer steps the model: refuse a step inside ``no_sync()`` after a backward
+    there (the gradients the parameters show are each rank's own, see [Note: no_sync and
+    zero_grad] in ``_handle_grads``); else take what was written through the views of units a
+    forward left gathered (``RootRuntime.take_user_writes``) and ``reduce_held``."""
+    if isinstance(ctx, RootRuntime) and not _in_backward():
+        ctx.settle()
+        for unit in ctx.units:
+            if not unit.sync_gradients and any(h.holds_no_sync_grad() for h in unit.handles):
+                raise RuntimeError(
+                    f"{unit.where()}: optimizer.step() inside no_sync() after a backward under it: the gradients "
+                    f"are each rank's own, not averaged over the ranks yet; step outside no_sync(), after the "
+                    f"synchronised backward that averages them"
+                )
+        ctx.take_user_writes()
+        ctx.reduce_held()
+
+
 @contextlib.contextmanager
 def no_sync(units: Sequence[Unit]) -> Iterator[None]:
     """Skip gradient reduction in ``units`` while inside; restore the previous setting after."""
@@ -242,6 +260,8 @@ class RootRuntime(RootContext):
         """The wrapper's forward after the wrapped module returned: free or hook for backward."""
         step.saved.close()
         unit = step.unit
+        for handle in unit.handles:
+            handle.end_forward()
         if step.input_dtype is not None:  # a full-precision unit hands back the dtype it was given
             dtype = step.input_dtype
             output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
@@ -258,6 +278,8 @@ class RootRuntime(RootContext):
         units that finished are garbage and their hooks never fire. Every rank must raise alike
         (the forward's collectives stop there)."""
         step.saved.close()
+        for handle in step.unit.handles:
+            handle.end_forward()
         if step.unit.training_state is _FORWARD:
             step.unit.move((_FORWARD,), _IDLE)
 
@@ -315,7 +337,7 @@ class RootRuntime(RootContext):
             if target is not None and self._prefetch(target):
                 self.gathered_in_forward.add(target)
         for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
-            handle.use_views(track_grad=torch.is_grad_enabled())
+            handle.use_views(track_grad=torch.is_grad_enabled(), in_forward=True)
         if unit.frozen and torch.is_grad_enabled() and not recompute:
             self._hook_inputs_for_frozen_handles(unit, inputs)
 
@@ -507,6 +529,7 @@ class RootRuntime(RootContext):
                 unit.move((_BACKWARD_POST,), _BACKWARD_PRE)
             unit.pending.update(needed)
         self._consume_prefetch(unit)
+        self._refuse_changed_views(unit)
         for handle in needed:
             handle.drop_grad_if_zeroed()
         self._gather(unit, needed)
@@ -516,6 +539,23 @@ class RootRuntime(RootContext):
             # Views back on the modules, under autograd, for code that re-runs forward pieces
             # in backward (activation checkpointing) and reads the parameters from the modules.
             handle.use_views(track_grad=True)
+
+    def _refuse_changed_views(self, unit: Unit) -> None:
+        """A unit kept gathered from its forward computes its backward with the views of that
+        forward: a parameter replaced or rebound on its module since cannot be honoured (see
+        [Note: writes through the views] in ``_module_views``); FSDP1 refuses it too."""
+        for handle in unit.handles:
+            if handle.state is HandleState.SHARDED:
+                continue
+            change = handle.views_changed()
+            if change is not None:
+                strategy = unit.config.sharding_strategy
+                raise AssertionError(
+                    f"{unit.where()}: {change} between the forward and the backward, while the unit kept its "
+                    f"parameters gathered for the backward ({'the root' if unit.is_root else strategy.name}): FSDP "
+                    f"does not support changing the parameters between forward and backward for {strategy}; "
+                    f"change them before the forward or after the backward"
+                )
 
     def gather_saved(self, key: int) -> None:
         """Autograd unpacks a saved parameter view of the full flat tensor with storage ``key``
@@ -632,6 +672,15 @@ class RootRuntime(RootContext):
         self.prefetched.clear()
         self.exec_order.end_iteration()
         self.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
+
+    def take_user_writes(self) -> None:
+        """Before an optimizer step: what was written through the views of units left gathered
+        (a forward whose backward never ran) goes into the shards the step updates, so that a
+        later refresh of those units does not bring back values from before the step."""
+        for unit in self.units:
+            for handle in unit.handles:
+                if handle.state is not HandleState.SHARDED:
+                    handle.take_user_writes()
 
     def reduce_held(self) -> None:
         """A unit used under ``no_sync`` but not in the synchronised backward still holds its

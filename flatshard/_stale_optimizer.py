@@ -31,6 +31,15 @@ an auto-wrap policy are built inside the root's constructor and never register. 
 the unit weakly (it does not keep a model alive) and is removed when the wrapper is garbage
 collected -- see [Note: removing a global hook safely].
 
+[Note: weight decay chosen by p.dim()] Training scripts often choose which parameters to decay
+by shape: matrices (``p.dim() >= 2``) in a group with weight decay, the rest without. After
+wrapping every sharded parameter is 1-D (an original parameter's piece of the shard, or a
+``FlatParameter``), so such a script builds an empty decaying group and decays nothing -- as it
+would with FSDP1. When the hook first looks at an optimizer's groups it recognises that shape
+of mistake cheaply -- a group with weight decay that holds no parameters, and a group without
+weight decay that holds a parameter that was a matrix before wrapping -- and warns once per
+model, naming the parameter and the fix.
+
 [Note: removing a global hook safely] torch calls the global pre-hooks while iterating over its
 hook dict, so removing an entry during that loop makes the optimizer step being run fail
 ("OrderedDict mutated during iteration"). A garbage collection can start inside that loop (any
@@ -42,6 +51,7 @@ garbage collection (until then the hook finds its unit gone and does nothing).
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -50,7 +60,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from ._runtime import reduce_held
+from ._common import join_name
+from ._runtime import before_step
 from ._unit import Unit
 
 __all__ = ["StaleOptimizerCheck", "watch_stale_optimizers"]
@@ -91,6 +102,12 @@ class StaleOptimizerCheck:
         self._handle = register_optimizer_step_pre_hook(self._before_step)
         self._finalizer = weakref.finalize(wrapper, _remove_when_safe, self._handle)
         self._finalizer.atexit = False
+        # Whether the warning of [Note: weight decay chosen by p.dim()] was given.
+        self._warned_decay = False
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> None:
+        """A copied model registers a check of its own (see [Note: deep copies] in ``_deepcopy``)."""
+        return None
 
     def retire(self) -> None:
         """Stop checking (an outer wrapper's check covers this unit now)."""
@@ -109,8 +126,13 @@ class StaleOptimizerCheck:
                 raise ValueError(_message(optimizer, stale, self._model_class))
             seen = (groups, tuple((g["params"], len(g["params"])) for g in groups), _holds_flat_params(unit, groups))
             self._seen[optimizer] = seen
+            if not self._warned_decay:
+                problem = _decay_by_dim(unit, optimizer)
+                if problem is not None:
+                    self._warned_decay = True
+                    warnings.warn(problem, UserWarning, stacklevel=3)
         if seen[2] and unit.ctx is not None:
-            reduce_held(unit.ctx)  # see [Note: no_sync gradients at the step]
+            before_step(unit.ctx)  # see [Note: no_sync gradients at the step]
         return None
 
 
@@ -152,6 +174,54 @@ def _stale_params(unit: Unit, groups: List[Dict[str, Any]]) -> List[str]:
             if hit is not None and hit[0] is param:
                 found.append(hit[1])
     return found
+
+
+def _flattened_matrices(unit: Unit) -> Dict[int, str]:
+    """id of each parameter an optimizer may hold that stands for a matrix of the unwrapped
+    model but is 1-D now, to the (first) matrix's user-facing name."""
+    found: Dict[int, str] = {}
+    for member in [unit] + [u for _, u in unit.descendants]:
+        for handle in member.handles:
+            names = [(info.name, len(info.shape)) for info in handle.param_infos]
+            if handle.orig is not None:
+                for param, (name, dims) in zip(handle.orig.params, names):
+                    if dims >= 2 and param.dim() < 2:
+                        found[id(param)] = join_name(member.name, name)
+            else:
+                matrix = next((name for name, dims in names if dims >= 2), None)
+                if matrix is not None:
+                    found[id(handle.flat_param)] = join_name(member.name, matrix)
+    return found
+
+
+def _decay_by_dim(unit: Unit, optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """The warning of [Note: weight decay chosen by p.dim()] if ``optimizer``'s groups look
+    chosen that way, else ``None``."""
+    groups = optimizer.param_groups
+    empty = next((i for i, g in enumerate(groups) if g.get("weight_decay", 0) and not g["params"]), None)
+    if empty is None:
+        return None
+    matrices = _flattened_matrices(unit)
+    for index, group in enumerate(groups):
+        if group.get("weight_decay", 0):
+            continue
+        name = next((matrices[id(p)] for p in group["params"] if id(p) in matrices), None)
+        if name is not None:
+            kind = type(optimizer).__name__
+            fix = (
+                "choose the groups by name (named_parameters() gives the unwrapped model's names), or build the "
+                "optimizer before wrapping"
+                if unit.config.use_orig_params
+                else "wrap with use_orig_params=True and choose the groups by name, or build the optimizer before "
+                "wrapping with use_orig_params=True"
+            )
+            return (
+                f"{kind} param group {empty} (weight_decay={groups[empty]['weight_decay']}) holds no parameters, "
+                f"while group {index} (weight_decay={group.get('weight_decay', 0)}) holds '{name}', a matrix "
+                f"before wrapping: groups chosen by p.dim() after wrapping see every sharded parameter as 1-D and "
+                f"decay nothing (as with FSDP1); {fix}"
+            )
+    return None
 
 
 def _message(optimizer: torch.optim.Optimizer, stale: List[str], model_class: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._checkpointing import agree_on_load, as_dtensor, check_idle, check_ranks_agree, full_value, is_dtensor, named_units
+from ._checkpointing import agree_on_load, as_dtensor, check_idle, check_ranks_agree, full_value, is_dtensor, named_units, take_user_writes
 from ._common import HandleState, coerce_config, coerce_enum, display_name, join_name
 from ._plain_view import plain_view
 from ._unit import Unit
@@ -124,6 +124,7 @@ def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefi
     named = named_units(wrapper)
     units = [unit for _, unit in named]
     check_idle(units, "state_dict()")
+    take_user_writes(units, "state_dict()")
     settings = get_settings(wrapper)
     kind, config = settings.state_dict_type, settings.state_dict_config
     handles = [h for unit in units for h in unit.handles]
@@ -234,6 +235,7 @@ def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: 
     named = named_units(wrapper)
     units = [unit for _, unit in named]
     check_idle(units, "load_state_dict()")
+    take_user_writes(units, "load_state_dict()")
     kind = get_settings(wrapper).state_dict_type
     handles = [h for unit in units for h in unit.handles]
     if kind is StateDictType.LOCAL_STATE_DICT:

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree
+from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree, raise_together, take_user_writes
 from ._common import HandleState, TrainingState, display_name, join_name
 from ._plain_view import install_params
 from ._unit import Unit
@@ -58,6 +58,7 @@ def summon_full_params(
     tree summoned over) for the ``with`` block; see [Note: summoned units]."""
     check_summon_options(writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
     check_idle(units, "summon_full_params")
+    take_user_writes(units, "summon_full_params")
     handles = [h for unit in units for h in unit.handles]
     if with_grads:
         check_grads_averaged(units, "summon_full_params(with_grads=True)")
@@ -134,15 +135,7 @@ def _write_back_all(units: Sequence[Unit], values: Dict[FlatParamHandle, List[nn
                 replaced[handle] = _replacements(unit, handle, values[handle], aliased[handle])
     except ValueError as exc:
         error = exc
-    if units and units[0].world_size > 1:
-        failed = units[0].comm.gather_ints(int(error is not None), units[0].device)
-        if error is None and any(failed):
-            raise RuntimeError(
-                f"[rank {units[0].rank}] summon_full_params: nothing was written back, because rank "
-                f"{failed.index(1)} could not write back a replaced parameter (see its error)"
-            )
-    if error is not None:
-        raise error
+    raise_together(units, error, "summon_full_params: nothing was written back, because rank {rank} could not write back a replaced parameter (see its error)")
     for handle, changed in replaced.items():
         if aliased[handle]:
             handle.shard_from_full()

@@ -17,7 +17,7 @@ import torch
 
 from ._buffer_pool import BufferPool
 from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
-from ._common import TrainingState, display_name, guard_transition, rank_prefix
+from ._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
 from .api import (
     BackwardPrefetch,
@@ -125,6 +125,15 @@ class Unit:
         # ``None`` (a caller outside the wrapper), ``IN_PLAIN_VIEW`` or ``ROUTED`` (see
         # [Note: the wrapped module's state dict] in ``_module_state_dict``).
         self.state_dict_route: Optional[str] = None
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Unit":
+        """The unit of a copied model (see [Note: deep copies] in ``_deepcopy``): the same
+        groups and mesh; no runtime, hooks or tracer until its root's first forward."""
+        if self.training_state is not TrainingState.IDLE:
+            raise AssertionError(f"{self.where()}: copied while {self.training_state.name}")
+        fresh = {"ctx": None, "grad_hooks": {}, "pending": set(), "open_input_hooks": 0, "tracer": None, "state_dict_route": None}
+        shared = {"replicate_group": self.replicate_group, "_device_mesh": self._device_mesh}
+        return copy_fields(self, memo, {**fresh, **shared})
 
     @property
     def group(self) -> ProcessGroup:

@@ -24,8 +24,10 @@ from torch import nn
 
 from ._buffer_pool import BufferPool
 from ._collectives import Communicator, Pending, ProcessGroup
-from ._common import FLAT_PARAM, HandleState, alloc_storage, free_storage, guard_transition, storage_bytes
+from ._common import FLAT_PARAM, HandleState, alloc_storage, clean_name, copy_fields, free_storage, guard_transition, storage_bytes
 from ._layout import OrigParam, ParamInfo, SharedParamInfo, ShardParamInfo, flatten, layout, shard_param_infos, shard_sizes
+from ._handle_grads import HandleGrads, HeldGrad, SplitWithPooledGrad
+from ._module_views import ModuleViews
 from ._orig_params import OrigParams
 from ._placeholder import ParamPlaceholder
 
@@ -62,7 +64,7 @@ class Precision:
     keep_low_precision_grads: bool = False
 
 
-class FlatParamHandle:
+class FlatParamHandle(HandleGrads):
     """Owns one unit's ``FlatParameter``: flattening, sharding, unshard/reshard, gradient reduction.
 
     Construction removes the original parameters from their modules and registers the
@@ -136,6 +138,8 @@ class FlatParamHandle:
         # Where each view goes: (module, attribute, index of the original parameter).
         self._slots: List[Tuple[nn.Module, str, int]] = slots
         self._originals = [(p.param, p.name) for p in primaries]
+        # The parameters' user-facing names (from the root once it is known: set_name_prefix).
+        self._names = [info.name for info in self.param_infos]
         self.attr_name = attr_name
         self.flat_param, self._full = self._make_tensors([p.param for p in primaries], requires_grad, sync_from_first_rank)
         # Writes go through this alias: it shares the storage but not the version counter,
@@ -150,22 +154,33 @@ class FlatParamHandle:
         # use_orig_params: the original parameters, views of the shard (None otherwise).
         self.orig: Optional[OrigParams] = None
         if use_orig_params:
-            ranges: List[Optional[Tuple[int, int]]] = [None] * len(self.param_infos)
+            ranges: List[Optional[Tuple[int, int, int]]] = [None] * len(self.param_infos)
             for held in self.shard_param_infos:
-                ranges[held.index] = (held.shard_offset, held.numel)
-            shapes = None if self.sharded else [info.shape for info in self.param_infos]
-            self.orig = OrigParams([p.param for p in primaries], ranges, slots, shapes)
+                ranges[held.index] = (held.shard_offset, held.numel, held.param_offset)
+            full_shapes = [info.shape for info in self.param_infos]
+            self.orig = OrigParams([p.param for p in primaries], ranges, slots, None if self.sharded else full_shapes, full_shapes, self.rank)
+            self.orig.set_names([info.name for info in self.param_infos])
+        # What the modules hold while the unit is gathered ([Note: writes through the views]).
+        self._module_views = ModuleViews(slots, [info.offset for info in self.param_infos], self._placeholders, self.orig, self.rank)
+        # Where the shard the full flat tensor was last gathered from was (its data pointer).
+        self._gathered_from = 0
         # Set by hold_grad_for_later: the .grad (weakly) and its version after a no_sync
         # backward. See [Note: no_sync and zero_grad].
         self._held_grad: Optional[Tuple["weakref.ref[torch.Tensor]", int]] = None
         # NO_SHARD: whether .grad holds a no_sync gradient not yet averaged over the ranks.
         self._local_grad = False
+        # Elsewhere: whether the full flat tensor's .grad holds one, the gradient the
+        # FlatParameter held when holding began, and the held one's version when the user last
+        # saw it (see [Note: no_sync and zero_grad]).
+        self._hold = HeldGrad.NONE
+        self._kept_grad: Optional[torch.Tensor] = None
+        self._held_version: Tuple[int, ...] = ()
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
         # Idle memory for full flat tensors and reduction buffers, shared by the root's
         # handles once it runs (see [Note: buffer pool]); until then it holds nothing.
         self.pool = BufferPool()
         # The gradient reduction in flight (see [Note: gradient reduction]).
-        self._reduction: Optional[_Reduction] = None
+        self._reduction = None  # (typed in HandleGrads)
         self.state = HandleState.UNSHARDED
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
@@ -181,6 +196,46 @@ class FlatParamHandle:
             self.reshard()
         else:
             self.use_views(track_grad=False)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FlatParamHandle":
+        """The handle of a copied model (see [Note: deep copies] in ``_deepcopy``): a copy of
+        the shard, a full flat tensor of its own (freed), no gradient, nothing in flight, the
+        same groups (through communicators of its own) and communication hook. ``after_copy``
+        finishes it once the whole model is copied."""
+        if self._reduction is not None or self.state is HandleState.GATHERING:
+            raise AssertionError(f"[rank {self.rank}] {self.attr_name}: copied with a collective in flight")
+        full = None
+        if self.separate_full:
+            full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+            free_storage(full, BufferPool())
+            full.requires_grad_(self._full.requires_grad)
+        given = {
+            "_comm_hook": self._comm_hook, "_full": full, "_full_data": None if full is None else full.data,
+            "_module_views": None, "_held_grad": None, "_local_grad": False, "_gather": None,
+            "_hold": HeldGrad.NONE, "_kept_grad": None, "_held_version": (),
+            "pool": BufferPool(), "_reduction": None,
+            "state": HandleState.SHARDED if self.separate_full else HandleState.UNSHARDED,
+        }
+        new = copy_fields(self, memo, given)
+        if new._full is None:  # (its full flat tensor is its FlatParameter)
+            new._full = new.flat_param
+            new._full_data = new.flat_param.data
+        return new
+
+    def after_copy(self) -> None:
+        """The copied model is complete: put this handle's placeholders, parameters or views on
+        its modules (see [Note: deep copies] in ``_deepcopy``)."""
+        self._module_views = ModuleViews(self._slots, [info.offset for info in self.param_infos], self._placeholders, self.orig, self.rank)
+        if self.orig is not None:
+            self.orig.show_shard(self.flat_param.detach())
+        if self.separate_full:
+            self._module_views.remove()
+        else:
+            self.use_views(track_grad=False)
+
+    def installed_views(self) -> List[torch.Tensor]:
+        """The views on the modules now (none while sharded)."""
+        return self._module_views.views()
 
     def _make_tensors(self, params: Sequence[nn.Parameter], requires_grad: bool, sync: bool) -> Tuple[FlatParameter, torch.Tensor]:
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
@@ -238,13 +293,18 @@ class FlatParamHandle:
     def set_name_prefix(self, prefix: str) -> None:
         """Name the placeholders as the user does, from the root (``prefix`` is this unit's
         module path); called when the root is known."""
-        for placeholder, info in zip(self._placeholders, self.param_infos):
-            placeholder.param_name = f"{prefix}.{info.name}" if prefix else info.name
+        names = [f"{prefix}.{info.name}" if prefix else info.name for info in self.param_infos]
+        for placeholder, name in zip(self._placeholders, names):
+            placeholder.param_name = name
+        if self.orig is not None:
+            self.orig.set_names(names)
+        self._names = names
 
     def describe(self) -> str:
-        """The layout in one line, e.g. for telling which unit differs between ranks."""
-        params = ", ".join(f"{i.name} {tuple(i.shape)}" for i in self.param_infos)
-        tied = "".join(f", {s.name} = {self.param_infos[s.primary].name}" for s in self.shared_param_infos)
+        """The layout in one line, e.g. for telling which unit differs between ranks (names
+        without wrapper attributes: see [Note: wrapper prefixes] in ``_plain_view``)."""
+        params = ", ".join(f"{clean_name(i.name)} {tuple(i.shape)}" for i in self.param_infos)
+        tied = "".join(f", {clean_name(s.name)} = {clean_name(self.param_infos[s.primary].name)}" for s in self.shared_param_infos)
         return f"{self.dtype}, requires_grad={self.requires_grad}: {params}{tied}"
 
     # -- unshard / reshard --------------------------------------------------------------
@@ -268,6 +328,7 @@ class FlatParamHandle:
         """Materialise the full flat tensor (all-gather): SHARDED -> GATHERING, and on to
         UNSHARDED unless ``async_op`` (then ``wait()``, or any use of the full tensor,
         completes it)."""
+        self.take_user_writes()
         self._move((HandleState.SHARDED,), HandleState.GATHERING, "unshard")
         alloc_storage(self._full_data, self.padded_numel, self.pool)
         self._start_gather(async_op)
@@ -275,6 +336,7 @@ class FlatParamHandle:
     def _start_gather(self, async_op: bool) -> None:
         """Fill the (allocated) full flat tensor from the shards (state GATHERING)."""
         shard = self.flat_param.detach()
+        self._gathered_from = shard.data_ptr()
         if self.offload:
             shard = shard.to(self.device, non_blocking=True)
         if shard.dtype != self.compute_dtype:
@@ -300,6 +362,7 @@ class FlatParamHandle:
         if not self.separate_full:
             return False
         self.finish_gather()
+        self.take_user_writes()
         self._move((HandleState.UNSHARDED,), HandleState.GATHERING, "refresh")
         self._start_gather(async_op)
         return True
@@ -324,46 +387,125 @@ class FlatParamHandle:
         if not self.separate_full:
             return False
         self.finish_gather()  # never free memory a collective is still writing
+        self.drop_views()  # (taking what was written through them first)
         self._move((HandleState.UNSHARDED,), HandleState.SHARDED, "reshard")
-        self.drop_views()
         free_storage(self._full_data, self.pool)
         return True
 
-    def use_views(self, track_grad: bool) -> None:
+    def use_views(self, track_grad: bool, in_forward: bool = False) -> None:
         """Put views of the full flat tensor on the modules in place of the original parameters.
 
         With ``track_grad`` the views are made under autograd, so gradients flow into
         ``grad_leaf``; without it they are plain aliases (for ``no_grad`` forwards).
+        ``in_forward``: the unit's forward is about to run (original parameters: the views are
+        what ``named_parameters()`` gives until ``end_forward``).
         """
         self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] views requested while {self.state.name}")
+        self._take_view_writes()  # (before new views replace the ones written through)
         self.sync_requires_grad()
         if self.orig is not None:
             self.flat_grad()  # (frees a shard gradient whose views the user dropped: zero_grad)
         with torch.set_grad_enabled(track_grad and self.requires_grad):
             if torch.is_grad_enabled() and self.separate_full:
-                chunks = _SplitWithPooledGrad.apply(self._full, self._split_sizes, self.pool)
+                chunks = SplitWithPooledGrad.apply(self._full, self._split_sizes, self.pool)
             else:
                 chunks = self._full.split(self._split_sizes)
             if self.orig is not None:
                 views = self.orig.compute_views(chunks, [info.shape for info in self.param_infos], track_grad)
             else:
                 views = [chunk.view(info.shape) for chunk, info in zip(chunks, self.param_infos)]
-        if self.orig is not None:
-            self.orig.overlay(views)
-            return
-        for module, attr, index in self._slots:
-            module.__dict__[attr] = views[index]
+        self._module_views.install(views, self._full, in_forward and self.orig is not None, self._names)
+
+    def end_forward(self) -> None:
+        """The unit's forward returned (its views stay on the modules while it is gathered)."""
+        self._module_views.end_forward()
 
     def drop_views(self) -> None:
         """Replace the views on the modules by placeholders (see [Note: placeholders]), or by
-        the original parameters (``use_orig_params``)."""
-        if self.orig is not None:
-            self.orig.remove_overlay()
+        the original parameters (``use_orig_params``), taking what was written through them."""
+        self._take_view_writes()
+        self._module_views.remove()
+
+    # -- writes the user made outside flatshard's sight --------------------------------------
+
+    def take_user_writes(self) -> None:
+        """Take into the shard what the user wrote to the parameters where the shard does not
+        see it (see [Note: writes through the views] in ``_module_views`` and [Note: writes to
+        original parameters] in ``_orig_params``): before anything reads or overwrites it."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):  # (what is made here outlives an inference forward)
+                self.take_user_writes()
             return
-        for module, attr, index in self._slots:
-            module.__dict__[attr] = self._placeholders[index]
+        self._take_view_writes()
+        if self.orig is not None:
+            self.orig.take_writes(self.flat_param.detach())
+
+    def _take_view_writes(self) -> None:
+        views = self._module_views
+        if not views.installed:
+            self._check_flat_param()
+            return
+        if self.separate_full and views.written_in_place(self._full):
+            self._shard_from_range()
+            views.taken(self._full)
+        rebound = views.rebound(self._full_data)
+        self._check_flat_param()
+        for index, value in rebound:
+            shape = self.param_infos[index].shape
+            if value.shape != shape:
+                raise RuntimeError(
+                    f"[rank {self.rank}] Cannot writeback parameter '{self._names[index]}': the .data of its full "
+                    f"view was rebound to a tensor of shape {tuple(value.shape)}, where the parameter has shape "
+                    f"{tuple(shape)}"
+                )
+            self._load(index, value)
+
+    def _check_flat_param(self) -> None:
+        """The ``FlatParameter`` is what ``model.parameters()`` gives (the default mode), so a
+        loop may rebind its ``.data`` (``vector_to_parameters``): that is fine -- gathers read
+        it -- as long as it keeps its shape and dtype; where it is also the full flat tensor
+        (``NO_SHARD``), the alias that views are made of follows it."""
+        shard = self.flat_param
+        if shard.shape != (self.shard_numel,) or shard.dtype != self.dtype:
+            names = ", ".join(f"'{n}'" for n in self._names[:3]) + (", ..." if len(self._names) > 3 else "")
+            raise RuntimeError(
+                f"[rank {self.rank}] Cannot writeback the FlatParameter of parameters {names}: its .data was set to a "
+                f"tensor of shape {tuple(shard.shape)} and dtype {shard.dtype}, but this rank's shard has shape "
+                f"({self.shard_numel},) and dtype {self.dtype}"
+            )
+        if not self.separate_full and self._full_data.data_ptr() != shard.data_ptr():
+            self._full_data = shard.data
+            if self._module_views.installed:  # (the views on the modules alias the old data)
+                self._module_views.follow(self.split_full(self._full_data), self._full)
+
+    def views_changed(self) -> Optional[str]:
+        """For a backward about to compute with what the forward gathered: a view on the
+        modules replaced or rebound since it was put there, or a parameter the optimizer
+        steps (an original one, or the ``FlatParameter``) replaced or rebound, described;
+        ``None`` if none was."""
+        change = self._module_views.changed(self._full_data, self._names)
+        if change is None and self.orig is not None:
+            change = self.orig.changed(self.flat_param.detach())
+        if change is None and self.separate_full and self.flat_param.data_ptr() != self._gathered_from:
+            names = ", ".join(f"'{n}'" for n in self._names[:2]) + (", ..." if len(self._names) > 2 else "")
+            change = f"the .data of the FlatParameter of {names} was rebound"
+        return change
+
+    def _shard_from_range(self) -> None:
+        """Copy this rank's range of the gathered full flat tensor into the shard (under mixed
+        precision only the elements that differ from the shard's in the compute dtype)."""
+        start = self.rank * self.shard_numel if self.sharded else 0
+        full = self._full_data[start : start + self.shard_numel]
+        shard = self.flat_param.detach()
+        with torch.no_grad():
+            if full.dtype == shard.dtype:
+                shard.copy_(full)
+                return
+            full = full.to(shard.device)
+            changed = full != shard.to(full.dtype)
+            shard[changed] = full[changed].to(shard.dtype)
 
     def named_full_views(self) -> List[Tuple[str, torch.Tensor]]:
         """(name, full tensor) for every registration, tied ones included; needs UNSHARDED."""
@@ -377,6 +519,7 @@ class FlatParamHandle:
         self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] full views requested while {self.state.name}")
+        self._take_view_writes()
         return self.split_full(self._full_data)
 
     def slots(self) -> List[Tuple[nn.Module, str, int]]:
@@ -389,8 +532,14 @@ class FlatParamHandle:
         info = self.param_infos[index]
         if tuple(value.shape) != tuple(info.shape):
             raise ValueError(f"[rank {self.rank}] parameter '{info.name}': cannot load a value of shape {tuple(value.shape)}; it has shape {tuple(info.shape)}")
-        flat = value.detach().reshape(-1)
         self.finish_gather()
+        self._take_view_writes()  # (else one taken later would overwrite the loaded value)
+        self._load(index, value)
+
+    def _load(self, index: int, value: torch.Tensor) -> None:
+        """``load_param`` without its checks (``value`` has the parameter's shape)."""
+        info = self.param_infos[index]
+        flat = value.detach().reshape(-1)
         with torch.no_grad():
             if self.separate_full and self.state is HandleState.UNSHARDED:
                 self._full_data[info.offset : info.offset + info.numel].copy_(flat)
@@ -407,9 +556,7 @@ class FlatParamHandle:
         if self.state is not HandleState.UNSHARDED:
             raise AssertionError(f"[rank {self.rank}] write-back requested while {self.state.name}")
         if self.separate_full:  # (else the full flat tensor is the FlatParameter)
-            start = self.rank * self.shard_numel if self.sharded else 0
-            with torch.no_grad():
-                self.flat_param.detach().copy_(self._full_data[start : start + self.shard_numel])
+            self._shard_from_range()
 
     def exact_views(self) -> Tuple[List[torch.Tensor], bool]:
         """Every original parameter's full value in the parameters' own dtype, gathering as
@@ -429,6 +576,7 @@ class FlatParamHandle:
         """A new full (padded) flat tensor in the parameters' own dtype, e.g. for state dicts
         under mixed precision, where the gathered tensor is in the compute dtype.
         Collective when sharded."""
+        self.take_user_writes()
         return self.gather_padded(self.flat_param.detach().to(self.device))
 
     def gather_grad(self) -> Optional[torch.Tensor]:
@@ -480,248 +628,6 @@ class FlatParamHandle:
             and tensor.device == self.device
             and tensor.untyped_storage().data_ptr() == self._full_data.untyped_storage().data_ptr()
         )
-
-    # -- gradients ------------------------------------------------------------------------
-
-    def flat_grad(self) -> Optional[torch.Tensor]:
-        """This rank's gradient of the shard as the user left it (``flat_param.grad``); with
-        original parameters, rebuilt from their ``.grad``s and handed back to them as views
-        (see [Note: original parameters] in ``_orig_params``)."""
-        if self.orig is not None:
-            grad = self.orig.flat_grad(self.flat_param.grad, self.flat_param.detach())
-            if grad is not self.flat_param.grad:
-                self.flat_param.grad = grad
-            self.orig.give_grads(grad)
-        return self.flat_param.grad
-
-    def has_unreduced_grad(self) -> bool:
-        """Whether an unsharded gradient is waiting to be reduced (after ``no_sync``)."""
-        return self.separate_full and self._full.grad is not None
-
-    def holds_no_sync_grad(self) -> bool:
-        """Whether the gradient includes a ``no_sync`` backward not yet averaged over the ranks."""
-        return self.has_unreduced_grad() or self._local_grad
-
-    def reduce_grad(self, async_op: bool = False) -> bool:
-        """Start averaging the accumulated full gradient over the ranks into
-        ``flat_param.grad``; ``finish_reduction()`` completes it (at once without
-        ``async_op``). ``False`` if there was no gradient.
-
-        [Note: gradient reduction] The full gradient is taken away from autograd's leaf
-        (under ``NO_SHARD`` that leaf is the ``FlatParameter``, so its ``.grad`` is empty
-        while the reduction is in flight) and averaged into a tensor nothing else can see:
-        sharded, a reduce-scatter into a new shard gradient; unsharded, an all-reduce of the
-        gradient itself. With hybrid sharding the result is then averaged over the replicas
-        too (also when a shard group has a single rank). Only ``finish_reduction`` adds the
-        result to ``.grad`` (onto a gradient the user did not zero), so a reduction that is
-        abandoned (``discard_reduction``, after a backward that raised) never writes into a
-        gradient the user has zeroed since. Meanwhile ``.grad`` exists, as it would in
-        single-process training once autograd accumulated it: a ``FlatParameter`` without one
-        gets an uninitialised placeholder, replaced by the result when the reduction completes,
-        or zeroed if it is abandoned and nobody touched it (a loop that zeroes the gradients
-        after the failed backward and steps anyway then steps exactly the parameters
-        single-process training would).
-        """
-        self._held_grad = None
-        self._local_grad = False
-        full_grad = self._full.grad
-        if full_grad is None:
-            return False
-        if self._reduction is not None:
-            raise AssertionError(f"[rank {self.rank}] a gradient reduction is already in flight")
-        self._full.grad = None
-        grad = full_grad if full_grad.dtype == self.reduce_dtype else full_grad.to(self.reduce_dtype)
-        pending, reduced = self._start_reduction(grad.contiguous())
-        if self.orig is not None and self.separate_full:
-            self.flat_grad()  # what the user left of the previous gradient
-        placeholder = None
-        if self.flat_param.grad is None:
-            self._set_new_grad(torch.empty(self.flat_param.shape, dtype=self.grad_dtype, device=self._grad_device()))
-            placeholder = (self.flat_param.grad, self.flat_param.grad._version)
-            if self.orig is not None:
-                self.orig.give_grads(self.flat_param.grad)
-        self._reduction = _Reduction(pending, reduced, grad, placeholder)
-        if not async_op:
-            self.finish_reduction()
-        return True
-
-    def _start_reduction(self, grad: torch.Tensor) -> Tuple[Pending, torch.Tensor]:
-        """Average ``grad`` (full, in the reduce dtype) over the ranks: (the collective in
-        flight, the tensor receiving this rank's part -- all of it when not sharded)."""
-        hook = self._comm_hook
-        if not self.sharded:
-            if hook is not None:
-                hook[0](hook[1], grad)
-            elif self.world_size > 1:
-                return self.comm.all_reduce_mean(grad, async_op=True), grad
-            return Pending(None), grad
-        shard_grad = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-        if hook is not None:
-            hook[0](hook[1], grad, shard_grad)
-            return Pending(None), shard_grad
-        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True, buffers=self.pool), shard_grad
-
-    def _grad_device(self) -> torch.device:
-        return torch.device("cpu") if self.offload else self.flat_param.device
-
-    def _set_new_grad(self, data: torch.Tensor) -> None:
-        """Make ``data`` (shaped like the shard, in the gradient dtype) the ``FlatParameter``'s ``.grad``."""
-        if data.dtype == self.dtype:
-            self.flat_param.grad = data
-            return
-        # keep_low_precision_grads: .grad's dtype must match the parameter's, its data need not
-        self.flat_param.grad = torch.zeros((), dtype=self.dtype, device=data.device).expand(data.shape)
-        self.flat_param.grad.data = data
-
-    def _accumulate(self, reduction: "_Reduction") -> None:
-        reduction.pending.wait()
-        if self.sharded and self._comm_hook is None and not reduction.full.requires_grad:
-            # Nothing else can see the full gradient (autograd gave it up to reduce_grad; no
-            # user hook saw it; it is not part of a create_graph graph): its memory can serve
-            # the next gather or reduction buffer.
-            self.pool.give(reduction.full)
-        shard_grad = reduction.reduced
-        if self.replicate is not None and self.replicate.world_size > 1:
-            self.replicate.all_reduce_mean(shard_grad)
-        if shard_grad.dtype != self.grad_dtype:
-            shard_grad = shard_grad.to(self.grad_dtype)
-        if self.offload:
-            shard_grad = shard_grad.to("cpu")
-        grad = self.flat_param.grad
-        if grad is not None and reduction.is_placeholder(grad):
-            grad.data = shard_grad  # (keeps a keep_low_precision_grads .grad's dtype)
-        elif grad is None:
-            self._set_new_grad(shard_grad)
-        else:
-            grad.add_(shard_grad)
-        if self.orig is not None:
-            self.orig.give_grads(self.flat_param.grad)
-
-    def set_comm_hook(self, hook: Callable[..., Any], state: Any) -> None:
-        """Reduce gradients with ``hook(state, grad)`` (unsharded: all-reduce ``grad`` in place)
-        or ``hook(state, grad, output)`` (sharded: write this rank's reduced shard into
-        ``output``), as torch FSDP1 calls its communication hooks."""
-        self._comm_hook = (hook, state)
-
-    def has_comm_hook(self) -> bool:
-        return self._comm_hook is not None
-
-    def finish_reduction(self) -> None:
-        """Complete a gradient reduction in flight (``flat_param.grad`` is final after it)."""
-        if self._reduction is not None:
-            reduction, self._reduction = self._reduction, None
-            self._accumulate(reduction)
-
-    def discard_reduction(self) -> None:
-        """Complete a gradient reduction in flight without using its result (the backward
-        it belongs to raised); see [Note: gradient reduction]."""
-        if self._reduction is not None:
-            reduction, self._reduction = self._reduction, None
-            reduction.pending.drain()
-            grad = self.flat_param.grad
-            if grad is not None and reduction.is_placeholder(grad):
-                grad.zero_()
-
-    def hold_grad_for_later(self) -> None:
-        """``no_sync``: leave the accumulated full gradient for the next synchronised backward.
-
-        [Note: no_sync and zero_grad] Under ``no_sync`` a sharded unit accumulates its
-        unsharded gradient in the full tensor's ``.grad``, out of the optimizer's sight. As
-        with DDP and FSDP1, ``optimizer.zero_grad()`` before the next backward must discard
-        it. So the ``FlatParameter`` gets a (zero) ``.grad`` here, and before the next
-        backward accumulates, ``drop_grad_if_zeroed`` checks that this very tensor is still
-        ``.grad`` and unmodified; if not, the user zeroed the gradients and the held gradient
-        is dropped. (Under ``NO_SHARD`` the gradient is ``flat_param.grad`` itself: its
-        version is recorded after each ``no_sync`` backward, so a change before the next
-        one means the user zeroed it, and there is nothing left to average.)
-        """
-        if not self.separate_full:
-            grad = self.flat_param.grad
-            self._local_grad = grad is not None
-            self._held_grad = (weakref.ref(grad), grad._version) if grad is not None else None
-            if self.orig is not None:
-                self.orig.give_grads(grad)
-            return
-        if self._full.grad is None:
-            return
-        if self.orig is not None:
-            self.flat_grad()
-        if self.flat_param.grad is None:
-            self.flat_param.grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.flat_param.device)
-            if self.orig is not None:
-                self.orig.give_grads(self.flat_param.grad)
-        self._held_grad = (weakref.ref(self.flat_param.grad), self.flat_param.grad._version)
-
-    def drop_grad_if_zeroed(self) -> None:
-        """Before a backward: drop a held ``no_sync`` gradient if ``.grad`` was zeroed since."""
-        if self._held_grad is None:
-            return
-        ref, version = self._held_grad
-        grad = self.flat_param.grad
-        touched = self.orig is not None and not self.orig.grads_untouched()
-        if grad is None or ref() is not grad or grad._version != version or touched:
-            if self.separate_full:
-                self._full.grad = None
-            self._local_grad = False
-            self._held_grad = None
-
-
-@dataclass
-class _Reduction:
-    """A gradient reduction in flight: the collective, the tensor receiving this rank's part,
-    the full gradient it reduces and the placeholder ``.grad`` made for it with its version
-    then (``None`` if ``.grad`` existed).
-
-    The full gradient must stay alive and unchanged until ``pending.wait()`` has returned, not
-    only until the collective completes: with two ranks on gloo the finishing step reads this
-    rank's own chunk from it ([Note: pair exchange]). So it goes back to the pool only after
-    the wait, and a drained (abandoned) reduction never returns it."""
-
-    pending: Pending
-    reduced: torch.Tensor
-    full: torch.Tensor
-    placeholder: Optional[Tuple[torch.Tensor, int]]
-
-    def is_placeholder(self, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` is the untouched placeholder."""
-        return self.placeholder is not None and grad is self.placeholder[0] and grad._version == self.placeholder[1]
-
-
-class _SplitWithPooledGrad(torch.autograd.Function):
-    """``full.split(sizes)`` whose backward assembles the full gradient in pooled memory.
-
-    [Note: pooled full gradients] The backward of a split concatenates the pieces' gradients
-    into a new tensor as large as the unit -- on the CPU, megabytes of freshly faulted pages
-    per unit and backward. Here the concatenation writes into memory from the root's
-    ``BufferPool`` instead (the full gradient of the unit reduced before, or a freed gather),
-    which autograd then takes over as the full tensor's ``.grad`` without copying. A backward
-    that builds a graph (``create_graph=True``) gets the plain, differentiable concatenation.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, sizes: List[int], pool: BufferPool) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.sizes = sizes
-        ctx.numel = full.numel()
-        ctx.pool = pool
-        ctx.set_materialize_grads(False)
-        return full.split(sizes)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        like = next((g for g in grads if g is not None), None)
-        if like is None:
-            return None, None, None
-        # (the pieces, and so their gradients, are 1-D)
-        if torch.is_grad_enabled():
-            pieces = [g if g is not None else like.new_zeros(n) for g, n in zip(grads, ctx.sizes)]
-            return torch.cat(pieces), None, None
-        out = ctx.pool.new(ctx.numel, like.dtype, like.device)
-        for piece, grad in zip(out.split(ctx.sizes), grads):
-            if grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(grad)
-        return out, None, None
 
 
 def storage_key_of(tensor: torch.Tensor) -> Optional[int]:

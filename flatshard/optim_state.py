@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ._checkpointing import agree_on_load, as_dtensor, full_value, named_units
-from ._collectives import broadcast_object, first_difference
+from ._collectives import all_gather_object, broadcast_object, first_difference
 from ._common import clean_name, join_name
 from ._plain_view import plain_view
 from ._unit import Unit
@@ -71,7 +71,8 @@ class OptimStateIndex:
         self.view_handles: List[Tuple[FlatParamHandle, Tuple[str, ...], Unit]] = []
         for path, unit in named:
             for handle in unit.handles:
-                names = tuple(join_name(path, info.name) for info in handle.param_infos)
+                # (names recorded at wrapping hold wrappers that were inside the unit then)
+                names = tuple(clean_name(join_name(path, info.name)) for info in handle.param_infos)
                 self.flat[id(handle.flat_param)] = (handle, names, unit)
                 if handle.orig is not None:
                     self.view_handles.append((handle, names, unit))
@@ -234,6 +235,42 @@ def _piece(handle: FlatParamHandle, index: int, full: torch.Tensor) -> torch.Ten
     return flat[:0].clone()
 
 
+def _with_state_of_parameters_not_held(
+    index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]
+) -> List[Optional[Mapping[str, Any]]]:
+    """[Note: state of parameters a rank does not hold] With ``use_orig_params`` a parameter
+    with no part in this rank's shard gets no gradient (as in FSDP1), so this rank's optimizer
+    does not step it: it has no state for it, or (after loading) state that no step updates.
+    The ranks that hold parts of it have its true state. So before the ranks compare and gather
+    their states, such a parameter gets here the state a rank holding it has: empty positional
+    tensors and that rank's scalar state (step counts; the holders step it alike), or none if
+    they have none. Loading (``flatten_optim_state``) gives such a parameter no state, as
+    training does. Collective: an object all-gather of the names concerned, and one of their
+    state layouts if there are any."""
+    not_held = {index.names_of(p)[0] for p in params if id(p) in index.views and p.numel() == 0}
+    wanted = set().union(*all_gather_object(sorted(not_held), index.root.group))
+    if not wanted:
+        return list(states)
+    mine: Dict[str, List[Tuple[str, bool, Any]]] = {}
+    for p, state in zip(params, states):
+        name = index.names_of(p)[0] if id(p) in index.views else None
+        if state and name in wanted and name not in not_held:
+            kinds = [(key, value, _kind(key, value, (1,)) == "scalar") for key, value in state.items()]
+            mine[name] = [(key, scalar, value if scalar else value.dtype) for key, value, scalar in kinds]
+    layouts: Dict[str, List[Tuple[str, bool, Any]]] = {}
+    for theirs in all_gather_object(mine, index.root.group):
+        for name, layout in theirs.items():
+            layouts.setdefault(name, layout)
+    filled = list(states)
+    for i, p in enumerate(params):
+        if id(p) in index.views and p.numel() == 0:
+            layout = layouts.get(index.names_of(p)[0])
+            filled[i] = None if layout is None else {
+                key: value if scalar else torch.empty(0, dtype=value, device=p.device) for key, scalar, value in layout
+            }
+    return filled
+
+
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
     gathering it (one collective; see [Note: load agreement] in ``_checkpointing``)."""
@@ -266,6 +303,7 @@ def gather_optim_state(
     source = optim.state_dict() if source is None else source
     params = [p for group in optimizer_groups(model, optim, None) for p in group]
     states = [source["state"].get(i) for i in range(len(params))]
+    states = _with_state_of_parameters_not_held(index, params, states)
     _check_layouts_agree(index, params, states)
     keep = not rank0_only or index.root.rank == 0
     state: Dict[str, Dict[str, Any]] = {}
@@ -514,10 +552,12 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
         if id(param) in index.views:
             handle, number, _ = index.views[id(param)]
             comm = handle.comm
-            state[pid] = {
+            entry = {
                 key: _copy(extra, False) if kind == "scalar" else _piece(handle, number, full_value(osd["state"][names[0]][key], comm)).to(extra)
                 for key, kind, extra in plan
             }
+            if param.numel() > 0:  # (see [Note: state of parameters a rank does not hold])
+                state[pid] = entry
         elif id(param) in index.flat:
             handle = index.flat[id(param)][0]
             state[pid] = {
@@ -571,7 +611,8 @@ def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], targ
                 value = osd["state"][names[0]][key].to(param.device) if root.rank == 0 else torch.empty(param.shape, dtype=extra, device=param.device)  # type: ignore[index]
                 root.comm.broadcast_from_first(value)
                 entry[key] = value
-        state[pid] = entry
+        if id(param) not in index.views or param.numel() > 0:  # (see [Note: state of parameters a rank does not hold])
+            state[pid] = entry
     return {"state": state, "param_groups": new_groups}
 
 
@@ -593,10 +634,11 @@ def _scatter_flat(handle: FlatParamHandle, names: Sequence[str], key: str, dtype
 
 
 def rekey(osd: Mapping[str, Any], key_type: OptimStateKeyType, model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) -> Dict[str, Any]:
-    """``osd`` keyed by parameter names (``PARAM_NAME``) or IDs (``PARAM_ID``: positions in
-    the optimizer's parameter order) of the plain ``model``."""
+    """``osd`` keyed by parameter names (``PARAM_NAME``, without the prefixes of wrappers such
+    as activation checkpointing's) or IDs (``PARAM_ID``: positions in the optimizer's
+    parameter order) of the plain ``model``."""
     _check_state_dict(osd, "rekey_optim_state_dict")
-    name_of = {id(p): name for name, p in model.named_parameters()}
+    name_of = {id(p): clean_name(name) for name, p in model.named_parameters()}  # (checkpoint / compile wrappers)
     ordered = [p for g in groups for p in g]
     id_to_name = {}
     for pid, param in enumerate(ordered):

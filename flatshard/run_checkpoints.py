@@ -27,7 +27,13 @@ the first whose manifest lists the step and whose files all exist with the liste
 checksums (the ranks share the checking). Every directory it passes over -- a newer one that
 does not verify, or a leftover ``.partial-`` one -- is named in a ``SkippedCheckpointWarning``
 with the reason, on every rank; nothing that does not verify is loaded. Rank 0 decides what
-exists and the ranks follow it, so they always load the same checkpoint.
+exists and the ranks follow it, so they always load the same checkpoint. Loading is strict, as
+``nn.Module.load_state_dict`` is: before loading anything, every rank compares the keys the
+checkpoint's DCP metadata lists for the model and the optimizer with the model's and the
+optimizer's own (its per-parameter state; not the options of its parameter groups, which a newer
+torch may extend), and any key on one side only (another model, an optimizer of another kind) is
+a ``ValueError`` naming the first keys of each kind, raised alike on every rank with the model
+and optimizer left as they were.
 
 [Note: keeping the last K] After publishing, rank 0 removes the oldest complete checkpoints
 beyond ``keep``. A removal first renames the directory to ``.deleting-step-N`` (atomically
@@ -56,7 +62,7 @@ import shutil
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -73,6 +79,8 @@ FORMAT_VERSION = 1
 _PUBLISHED = re.compile(r"^step-(\d{8,})$")
 _PARTIAL, _DELETING = ".partial-", ".deleting-"
 _READ_CHUNK = 1 << 22
+_SHOWN_KEYS = 3  # keys a mismatch error names of each kind
+_OWNERS = {"model": "model", "optim": "optimizer"}  # parts of a checkpoint loaded strictly: what holds them
 
 
 class SkippedCheckpointWarning(UserWarning):
@@ -167,6 +175,50 @@ def file_problem(path: str, name: str, expected: Dict[str, int], checksums: bool
     if checksums and file_record(full)["crc32"] != expected.get("crc32"):
         return f"file {name} has a different CRC-32 than when it was saved (expected {expected.get('crc32')})"
     return ""
+
+
+def stored_keys(state: Mapping[Any, Any]) -> List[str]:
+    """The keys DCP stores ``state`` under, relative to it: DCP flattens mappings key by key and
+    lists that hold tensors or containers item by item, joining the names with dots, and stores
+    anything else (a tuple, a list of numbers or names) as one item."""
+    keys = []
+    for name, value in state.items():
+        if isinstance(value, list) and not _stored_whole(value):
+            value = {str(index): item for index, item in enumerate(value)}
+        if isinstance(value, Mapping):
+            keys.extend(f"{name}.{key}" for key in stored_keys(value))
+        else:
+            keys.append(str(name))
+    return keys
+
+
+def _stored_whole(items: List[Any]) -> bool:
+    """Whether DCP stores the list ``items`` as one item (nothing in it is split further)."""
+    return not any(isinstance(item, (torch.Tensor, Mapping)) or (isinstance(item, list) and not _stored_whole(item)) for item in items)
+
+
+def key_mismatch(owner: str, expected: Sequence[str], stored: Sequence[str]) -> List[str]:
+    """What differs between the keys ``owner`` has (``expected``) and those a checkpoint stored
+    for it: one clause for the stored keys ``owner`` lacks, one for its keys the checkpoint
+    lacks, each naming the first few (none: the keys match)."""
+    expected_set, stored_set = set(expected), set(stored)
+    unexpected = [key for key in stored if key not in expected_set]
+    missing = [key for key in expected if key not in stored_set]
+    clauses = []
+    if unexpected:
+        clauses.append(f"{len(unexpected)} of the checkpoint's {len(stored)} {owner} keys {_are(unexpected)} not in the {owner} ({_first(unexpected)})")
+    if missing:
+        clauses.append(f"{len(missing)} of the {owner}'s {len(expected)} keys {_are(missing)} not in the checkpoint ({_first(missing)})")
+    return clauses
+
+
+def _are(keys: Sequence[str]) -> str:
+    return "is" if len(keys) == 1 else "are"
+
+
+def _first(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN_KEYS])
+    return shown if len(keys) <= _SHOWN_KEYS else f"{shown} and {len(keys) - _SHOWN_KEYS} more"
 
 
 def _fsync_directory(path: str) -> None:
@@ -375,6 +427,11 @@ class RunCheckpoints:
         """Load the newest complete checkpoint into the model and optimizer (at any world size)
         and return what it held; ``None`` if there is none (the model and optimizer are left as
         they are). Collective.
+
+        Raises:
+            ValueError: (on every rank, nothing loaded) the checkpoint holds keys the model or
+                optimizer lacks, or lacks some of theirs ([Note: reading checkpoints]), or has
+                no optimizer state while an optimizer was given.
         """
         found = self.latest()
         if found is None:
@@ -392,6 +449,7 @@ class RunCheckpoints:
                 loaded["state"] = b""
             if manifest.get("rank_state") and same_world:
                 loaded[f"rank_state_{rank}"] = b""
+            self._check_keys(path, loaded)
             dcp.load(loaded, checkpoint_id=path, process_group=self.group)
             self.model.load_state_dict(loaded["model"])
             if self.optimizer is not None:
@@ -403,6 +461,43 @@ class RunCheckpoints:
             state=_unpickle(loaded.get("state")),
             rank_state=_unpickle(loaded.get(f"rank_state_{rank}")),
         )
+
+    def _check_keys(self, path: str, loaded: Dict[str, Any]) -> None:
+        """Raise, on every rank alike, unless the checkpoint at ``path`` holds exactly the keys of
+        ``loaded``'s model and optimizer parts ([Note: reading checkpoints])."""
+        # The ranks agree before DCP's first collective, so a rank whose own check failed (or
+        # could not read the metadata) never leaves the others waiting inside the load.
+        problems = all_gather_object(self._key_problem(path, loaded), self.group)
+        problem = next((p for p in problems if p), "")
+        if problem:
+            raise ValueError(f"RunCheckpoints.resume: {path} {problem}")
+
+    def _key_problem(self, path: str, loaded: Dict[str, Any]) -> str:
+        """How the checkpoint at ``path`` does not match ``loaded`` by its metadata (``""``: it
+        matches); reads no tensors."""
+        try:
+            stored = list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        except Exception as exc:  # noqa: BLE001 - reported through the agreement, not raised alone
+            return f"has a .metadata that cannot be read: {type(exc).__name__}: {exc}"
+        clauses: List[str] = []
+        owners: List[str] = []
+        for part, owner in _OWNERS.items():
+            if part not in loaded:
+                continue
+            prefix = part + "."
+            expected = stored_keys(loaded[part])
+            saved = [key[len(prefix) :] for key in stored if key.startswith(prefix)]
+            if part == "optim":
+                # Per-parameter state only: an option a newer torch adds to every param group
+                # must not make older checkpoints unloadable.
+                expected, saved = ([key for key in keys if key.startswith("state.")] for keys in (expected, saved))
+            found = key_mismatch(owner, expected, saved)
+            clauses.extend(found)
+            owners += [owner] if found else []
+        if not clauses:
+            return ""
+        hint = " (pass optimizer=None to load the model only)" if owners == ["optimizer"] else ""
+        return f"does not match the {' and '.join(owners)} (nothing was loaded): " + "; ".join(clauses) + hint
 
     def _agree(self, what: str, items: Sequence[str]) -> None:
         """Every rank passed the same ``items`` (else every rank raises, naming the first that differs)."""

@@ -12,6 +12,7 @@ from torch import nn
 from ._clip import clip_grad_norm_
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
+from ._deepcopy import copy_model
 from ._fsdp_markers import mark_fsdp_managed
 from ._generate import generate_gathered
 from ._init import build_unit
@@ -136,6 +137,12 @@ class ShardedDataParallel(nn.Module):
         route_state_dict(wrapper, module)
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
         return wrapper
+
+    def __deepcopy__(self, memo: Dict[Any, Any]) -> "ShardedDataParallel":
+        """An independent copy of the model, as ``copy.deepcopy`` of the unwrapped model gives
+        (EMA, ``torch.optim.swa_utils.AveragedModel``); see [Note: deep copies] in
+        ``_deepcopy``. Call it on every rank, on the root, between iterations."""
+        return copy_model(self, memo)  # type: ignore[return-value]
 
     # -- the wrapped module -------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ._collectives import Communicator, all_gather_object, broadcast_object, default_group
 from ._common import clean_name
+from ._plain_view import wrapped_by
 from .api import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
 from .optim_state import OptimStateIndex, template_state
 from .sharded_data_parallel import ShardedDataParallel
@@ -82,7 +83,7 @@ def get_model_state_dict(
     opts = _checked_options(options, "get_model_state_dict")
     _warn_submodules(submodules)
     with _state_dict_type(model, opts):
-        state = model.state_dict()
+        state = _without_outer_wrappers(model).state_dict()
     if opts.ignore_frozen_params:
         for name in _frozen_names(model):
             state.pop(name, None)
@@ -307,7 +308,19 @@ def _only_submodules(model: nn.Module, state: Dict[str, Any], submodules: Set[nn
     return out
 
 
+def _without_outer_wrappers(model: nn.Module) -> nn.Module:
+    """``model`` without the checkpoint or compile wrappers around it, e.g. the root
+    ``ShardedDataParallel`` of ``torch.compile(model)``, whose ``state_dict()`` would prefix
+    every key with ``_orig_mod.`` (see [Note: wrapper prefixes] in ``_plain_view``)."""
+    inner = None if isinstance(model, ShardedDataParallel) else wrapped_by(model)
+    while inner is not None:
+        model = inner
+        inner = None if isinstance(model, ShardedDataParallel) else wrapped_by(model)
+    return model
+
+
 def _load_model(model: nn.Module, state_dict: Mapping[str, Any], opts: StateDictOptions) -> _IncompatibleKeys:
+    model = _without_outer_wrappers(model)
     if not isinstance(model, ShardedDataParallel):
         raise NotImplementedError(
             f"set_model_state_dict: model is a {type(model).__name__} containing ShardedDataParallel modules; "

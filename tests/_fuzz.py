@@ -16,8 +16,24 @@ import random
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 # Each feature, and what it adds to a case. ``KNOWN`` maps the features that exercise known
-# bugs (issue 14's items, and NEW-x: found by this fuzzer, see /work/notes/fuzz_findings) to
-# them, so that "-known" hunts for anything else.
+# bugs (issue 14's items; NEW-x and W-x: found by this fuzzer, W-x with issue 28's write
+# features) to them, so that "-known" hunts for anything else. Open W-x items:
+#
+# W-10: use_orig_params=True, AdamW step counts that differ within a FlatParameter (a
+#      parameter skipped by a step: .grad None, or replaced after the backward): a checkpoint
+#      loaded into a use_orig_params=False model merges them silently (FSDP1 refuses).
+#
+# Found and fixed while issue 28 was worked on: W-1 (use_orig_params=False, unsharded
+# FlatParameter: a rebound .data was missed), W-2 (a parameter replaced between no_sync
+# micro-batches raised), W-4 (use_orig_params=True with parameters frozen at wrapping: sharded
+# checkpoints did not load into a fresh model), W-5 (a rebound .grad of a frozen parameter was
+# dropped), W-6 (no_sync after a step without zero_grad raised), W-7 (rebound gradients kept
+# into a forward under inference_mode: the next backward raised), W-8 (a parameter frozen with
+# a kept .grad lost it at zero_grad(set_to_none=False) between no_sync micro-batches), W-9
+# (after zero_grad(set_to_none=False), in-place changes of the local gradients between no_sync
+# micro-batches raised). W-3 (in-place changes of the local gradients inside no_sync while
+# they also hold an earlier step's gradient: missed it) is now refused with an error by design:
+# not generated.
 FEATURES: Dict[str, str] = {
     "reuse": "a module called twice in one forward",
     "share": "a module registered in two containers",
@@ -59,8 +75,24 @@ FEATURES: Dict[str, str] = {
     "fresh_osd": "a state-dict round trip before the first optimizer step (NEW-A)",
     "accumulate": "steps without zero_grad (gradients accumulate onto the previous step's)",
     "orig": "use_orig_params=True (the optimizer steps the original parameters)",
+    "param_edit": "parameters changed in place or by rebinding .data (all, or with orig a subset by name) between steps",
+    "vec_params": "vector_to_parameters(parameters_to_vector(params) * a + b, params) (all, or with orig a subset by name)",
+    "edit_mid_step": "those parameter edits (param_edit, vec_params, param_replace) also between backward and step, and between micro-batches",
+    "param_replace": "(orig) a new nn.Parameter registered on the modules of parameters chosen by name, the optimizer moved to it",
+    "grad_edit": "gradients changed between backward and step: .grad rebound, .grad.data rebound, in place (scale and offset), set to None (orig, by name)",
+    "grad_rebind": "those gradient edits also by rebinding .grad or .grad.data (else in place, or to None)",
+    "ema": "an AveragedModel EMA (deep copy) made mid-run, updated after each step, evaluated under no_grad",
+    "deepcopy": "a deep copy of the model, changed and trained for a step by its own optimizer",
+    "toggle_param": "(orig) requires_grad toggled on single parameters by name between steps",
+    "cross_mode": "the checkpoint loaded into a fresh model wrapped in the other use_orig_params mode (W-10)",
+    "nosync_grad": "between no_sync micro-batches: the local gradients scaled in place (orig) or zero_grad()",
+    "nosync_grad_kept": "those no_sync gradient edits also in steps without zero_grad (orig: only zero_grad(set_to_none=True), W-3)",
+    "clamp": "Linear weights clamped in place by the module inside no_grad / inference_mode forwards",
 }
-KNOWN = {"aux": "1", "nosync_absent": "2", "hybrid1": "3", "toggle": "4", "meta": "5", "fail": "6", "metric": "7", "osd_rank0": "8", "fresh_osd": "NEW-A"}
+KNOWN = {
+    "aux": "1", "nosync_absent": "2", "hybrid1": "3", "toggle": "4", "meta": "5", "fail": "6", "metric": "7", "osd_rank0": "8",
+    "fresh_osd": "NEW-A", "cross_mode": "W-10",
+}
 ALL = frozenset(FEATURES)
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
@@ -140,7 +172,8 @@ def generate(seed: int, world_size: Optional[int] = None, features: Iterable[str
     for step in steps:
         step["zero_grad"] = rng.random() < 0.85
     extras = {"sync_states": rng.random() < 0.25, "offload": rng.random() < 0.2, "comm_hook": rng.random() < 0.2}
-    extras["orig"] = rng.random() < 0.5  # (drawn last: the other draws of a seed stay as they were)
+    extras["orig"] = rng.random() < 0.5  # (drawn after the above: the other draws of a seed stay as they were)
+    _gen_writes(rng, spec, steps, checkpoint)  # (drawn after orig, for the same reason)
     case = Case(seed, ws, (), spec, wrap, strategy, hybrid, prefetch, fwd, limit, meta, optim, set_to_none, per_rank, steps, checkpoint, every, extras)
     return restrict(case, features)
 
@@ -274,6 +307,74 @@ def _gen_schedule(rng: random.Random, spec: Dict[str, Any]) -> List[Dict[str, An
     return steps
 
 
+EDIT_HOWS = ["data", "data", "inplace", "vec", "replace"]
+EDIT_AT = ["start", "start", "backward", "micro"]
+GRAD_HOWS = ["rebind", "data", "inplace", "none"]
+
+
+def _gen_writes(rng: random.Random, spec: Dict[str, Any], steps: List[Dict[str, Any]], checkpoint: Optional[Dict[str, Any]]) -> None:
+    """What the loop writes to parameters, gradients and copies of the model (features
+    param_edit ... clamp). Every draw is made whatever the case holds, so the stream of a seed
+    does not depend on earlier choices of this block either."""
+    for step in steps:
+        edits = []
+        for _ in range(2):
+            edit = {
+                "how": rng.choice(EDIT_HOWS),
+                "a": rng.choice([0.8, 0.9, 1.1]),
+                "b": rng.choice([0.0, 0.01, -0.01]),
+                "key": rng.randrange(1000),
+                "at": rng.choice(EDIT_AT),
+            }
+            named = rng.random() < 0.5
+            if rng.random() < 0.3:
+                if not named and edit["how"] != "replace":
+                    edit["key"] = None
+                edits.append(edit)
+        step["edits"] = edits
+        grad_edit = {"how": rng.choice(GRAD_HOWS), "s": rng.choice([0.5, 2.0, -1.0]), "o": rng.choice([0.0, 0.0, 0.01]), "key": rng.randrange(1000)}
+        named = rng.random() < 0.5
+        if not named and grad_edit["how"] != "none":
+            grad_edit["key"] = None
+        step["grad_edits"] = [grad_edit] if rng.random() < 0.35 else []
+        ptoggle = {"key": rng.randrange(1000), "flag": rng.random() < 0.5}
+        step["ptoggles"] = [ptoggle] if rng.random() < 0.25 else []
+        nosync = []
+        for _ in range(len(step["micro"]) - 1):
+            op = {"how": "zero"} if rng.random() < 0.3 else {"how": "scale", "s": rng.choice([0.5, 2.0, -1.0])}
+            nosync.append(op if rng.random() < 0.5 else None)
+        step["nosync_edits"] = nosync
+        ema = {"decay": rng.choice([0.5, 0.8, 0.9]), "eval": rng.random() < 0.5}
+        step["ema"] = ema if rng.random() < 0.15 else None
+        clone = {"factor": rng.choice([0.9, 1.1]), "zero_grad": rng.random() < 0.5}
+        step["copy"] = clone if rng.random() < 0.12 else None
+    cross = rng.random() < 0.4
+    if checkpoint is not None:
+        checkpoint["cross"] = cross
+    lins = [n["id"] for n in walk(spec["body"]) if n["kind"] == "lin"]
+    clamped = [i for i in lins if rng.random() < 0.4]
+    head = rng.random() < 0.3
+    bound = rng.choice([0.2, 0.4])
+    spec["clamp"] = {"nodes": clamped, "head": head, "bound": bound} if rng.random() < 0.35 and (clamped or head) else None
+
+
+def orig_at(case: "Case", step: int) -> bool:
+    """Whether the sharded model of ``step`` uses ``use_orig_params`` (a ``cross_mode``
+    checkpoint switches the mode from its step on)."""
+    ck = case.checkpoint
+    crossed = ck is not None and bool(ck.get("cross")) and step >= ck["step"]
+    return bool(case.options.get("orig")) != crossed
+
+
+def pick_names(names: List[str], key: int) -> List[str]:
+    """A subset of ``names`` chosen by ``key`` (never empty if ``names`` is not): the same on
+    both sides when they name their parameters alike."""
+    import zlib
+
+    chosen = [n for n in names if zlib.crc32(f"{key}:{n}".encode()) % 3 == 0]
+    return chosen or names[key % len(names) :][:1]
+
+
 def walk(node: Dict[str, Any]) -> Iterable[Dict[str, Any]]:
     """The nodes of a spec subtree in pre-order (build order)."""
     yield node
@@ -291,6 +392,7 @@ def restrict(case: Case, features: Iterable[str]) -> Case:
     """``case`` without what the features not in ``features`` add."""
     on = frozenset(features)
     c = copy.deepcopy(case)
+    _fill_defaults(c)
     c.features = tuple(sorted(on))
     spec = c.spec
     _restrict_tree(spec["body"], on)
@@ -311,7 +413,64 @@ def restrict(case: Case, features: Iterable[str]) -> Case:
         _restrict_step(step, on, spec)
         if index == 0 and "fresh_osd" not in on:
             step["reload"] = None
+    _restrict_writes(c, on)
     return c
+
+
+def _fill_defaults(c: Case) -> None:
+    """Cases saved before the write features existed (JSON) have none of them."""
+    for step in c.steps:
+        for key, empty in (("edits", []), ("grad_edits", []), ("ptoggles", []), ("nosync_edits", []), ("ema", None), ("copy", None)):
+            step.setdefault(key, empty)
+    c.spec.setdefault("clamp", None)
+    if c.checkpoint is not None:
+        c.checkpoint.setdefault("cross", False)
+
+
+_EDIT_FEATURE = {"data": "param_edit", "inplace": "param_edit", "vec": "vec_params", "replace": "param_replace"}
+
+
+def _restrict_writes(c: Case, on: frozenset) -> None:
+    lins = {n["id"] for n in walk(c.spec["body"]) if n["kind"] == "lin"}
+    clamp = c.spec["clamp"]
+    if clamp is not None:
+        clamp["nodes"] = [i for i in clamp["nodes"] if i in lins]
+        if "clamp" not in on or not (clamp["nodes"] or clamp["head"]):
+            c.spec["clamp"] = None
+    for step in c.steps:
+        step["edits"] = [e for e in step["edits"] if _EDIT_FEATURE[e["how"]] in on and (e["at"] == "start" or "edit_mid_step" in on)]
+        if "grad_edit" not in on:
+            step["grad_edits"] = []
+        if "grad_rebind" not in on:
+            step["grad_edits"] = [g for g in step["grad_edits"] if g["how"] not in ("rebind", "data")]
+        if "toggle_param" not in on:
+            step["ptoggles"] = []
+        n = len(step["micro"])
+        allowed = step["no_sync"] and "nosync_grad" in on and (step["zero_grad"] or "nosync_grad_kept" in on)
+        step["nosync_edits"] = (step["nosync_edits"] + [None] * n)[: n - 1] if allowed else [None] * (n - 1)
+        if "ema" not in on:
+            step["ema"] = None
+        if "deepcopy" not in on:
+            step["copy"] = None
+    ck = c.checkpoint
+    if ck is not None:
+        # a fresh model in the other mode cannot take requires_grad changes made per unit or per
+        # parameter in the first one (a unit's parameters differ between the modes when a tie
+        # crosses units; single parameters exist only with orig): only untoggled models cross
+        before = [s for s in c.steps[: ck["step"]]]
+        toggled = any(s["toggles"] or (s["ptoggles"] and c.options.get("orig")) for s in before)
+        ck["cross"] = bool(ck["cross"]) and "cross_mode" in on and not toggled
+    for index, step in enumerate(c.steps):
+        if orig_at(c, index):
+            if not step["zero_grad"]:
+                # the library refuses (raises) in-place changes of local gradients inside
+                # no_sync while they also hold an earlier step's gradient
+                step["nosync_edits"] = [op if op is None or (op["how"] == "zero" and c.set_to_none) else None for op in step["nosync_edits"]]
+            continue  # what works on single parameters by name needs the original parameters
+        step["edits"] = [e for e in step["edits"] if e["key"] is None and e["how"] != "replace"]
+        step["grad_edits"] = [g for g in step["grad_edits"] if g["key"] is None and g["how"] != "none"]
+        step["ptoggles"] = []
+        step["nosync_edits"] = [None if op is not None and op["how"] == "scale" else op for op in step["nosync_edits"]]
 
 
 def _kind(spec: Dict[str, Any], node_id: int) -> Optional[str]:
@@ -430,6 +589,59 @@ def _restrict_step(step: Dict[str, Any], on: frozenset, spec: Dict[str, Any]) ->
         step["zero_grad"] = True
 
 
+# -- coverage -----------------------------------------------------------------------------
+
+
+def adds(case: Case, feature: str) -> bool:
+    """Whether ``feature`` changes ``case`` (the case without it differs)."""
+    without = restrict(case, set(case.features) - {feature})
+    return dataclasses.replace(without, features=()) != dataclasses.replace(case, features=())
+
+
+def coverage(case: Case) -> frozenset:
+    """What ``case`` exercises: ``feature:<name>`` for each feature it uses, and the strategy,
+    policy, checkpoint form and kinds of writes, named alike (``tests/test_fuzz.py`` checks
+    that the fixed seeds exercise everything in ``everything()``)."""
+    items = {f"feature:{f}" for f in case.features if adds(case, f)}
+    items.add(f"strategy:{case.strategy}")
+    items.add(f"wrap:{case.wrap['mode']}" + (f":{case.wrap['policy']}" if case.wrap["mode"] == "policy" else ""))
+    items.add("mode:orig" if case.options.get("orig") else "mode:flat")
+    ck = case.checkpoint
+    if ck is not None:
+        items.add(f"ckpt:{ck['mode']}")
+        if ck.get("cross"):
+            items.add("cross:to_flat" if case.options.get("orig") else "cross:to_orig")
+    for index, step in enumerate(case.steps):
+        mode = "orig" if orig_at(case, index) else "flat"
+        for e in step["edits"]:
+            items.add(f"edit:{e['how']}:{mode}" + (":named" if e["key"] is not None else ""))
+            items.add(f"edit_at:{e['at']}")
+        for g in step["grad_edits"]:
+            items.add(f"grad:{g['how']}:{mode}" + (":named" if g["key"] is not None else ""))
+        for op in step["nosync_edits"]:
+            if op is not None:
+                items.add(f"nosync:{op['how']}:{mode}")
+        if step["ema"]:
+            items.add(f"ema:{mode}" + (":eval" if step["ema"]["eval"] else ""))
+        if step["copy"]:
+            items.add(f"copy:{mode}")
+    return frozenset(items)
+
+
+def everything() -> frozenset:
+    """Every item ``coverage`` can report for a case (each should be in some fixed case)."""
+    items = {f"feature:{f}" for f in FEATURES}
+    items |= {f"strategy:{s}" for s in STRATEGIES} | {"mode:orig", "mode:flat", "wrap:none", "wrap:manual"}
+    items |= {f"wrap:policy:{p}" for p in ["module", "transformer", "size", "lambda", "always"]}
+    items |= {f"ckpt:{m}" for m in ["full", "full_osd", "sharded", "full_osd_rank0"]} | {"cross:to_flat", "cross:to_orig"}
+    for mode in ("orig", "flat"):
+        items |= {f"edit:{how}:{mode}" for how in ("data", "inplace", "vec")} | {f"grad:{how}:{mode}" for how in ("rebind", "data", "inplace")}
+        items |= {f"nosync:zero:{mode}", f"ema:{mode}", f"ema:{mode}:eval", f"copy:{mode}"}
+    items |= {f"edit:{how}:orig:named" for how in ("data", "inplace", "vec", "replace")} | {f"edit_at:{at}" for at in ("start", "backward", "micro")}
+    items |= {f"grad:{how}:orig:named" for how in GRAD_HOWS} | {"nosync:scale:orig"}
+    return frozenset(items)
+
+
 # -- description --------------------------------------------------------------------------
 
 
@@ -456,12 +668,17 @@ def describe(case: Case) -> str:
         lines.append("    weights tied: " + ", ".join(f"#{b}.weight = #{a}.weight" for a, b in s["ties"]))
     if s["frozen"]:
         lines.append("    frozen at construction: " + ", ".join(f"#{i}" for i in s["frozen"]))
+    if s.get("clamp"):
+        cl = s["clamp"]
+        where = [f"#{i}" for i in cl["nodes"]] + (["head"] if cl["head"] else [])
+        lines.append(f"    weights clamped to +-{cl['bound']} in place in forwards without grad: {', '.join(where)}")
     lines.append("  schedule:")
     for index, step in enumerate(case.steps):
         ck = case.checkpoint
         if ck is not None and ck["step"] == index:
             where = "in a new pool task" if ck["new_task"] else "in the same task"
-            lines.append(f"    checkpoint {ck['mode']} saved, loaded into a fresh model {where} at world size {ck['world_size']}")
+            cross = f" wrapped with use_orig_params={not case.options.get('orig')}" if ck.get("cross") else ""
+            lines.append(f"    checkpoint {ck['mode']} saved, loaded into a fresh model{cross} {where} at world size {ck['world_size']}")
         lines.append(f"    step {index}: " + describe_step(step))
     lines.append(f"  parameters compared {'after every step' if case.check_every_step else 'at the end and after loading'}")
     return "\n".join(lines)
@@ -492,19 +709,56 @@ def describe_step(step: Dict[str, Any]) -> str:
         parts.append(f"inside summon_full_params: parameter[{step['summon'][0]} % count] *= {step['summon'][1]}")
     for idx, flag, via in step["toggles"]:
         parts.append(f"requires_grad_({flag}) on unit[{idx} % units] via {via}")
+    for t in step.get("ptoggles", []):
+        parts.append(f"requires_grad_({t['flag']}) on the parameters picked by name with key {t['key']}")
+    edits = step.get("edits", [])
+    parts += [_edit_text(e) for e in edits if e["at"] == "start"]
     if not step["zero_grad"]:
         parts.append("no zero_grad")
     parts += [f"{op} forward" for op in step["pre"]]
     micro = []
-    for m in step["micro"]:
+    nosync = step.get("nosync_edits", [])
+    for i, m in enumerate(step["micro"]):
         bits = ([f"skip {','.join(m['skip'])}"] if m["skip"] else []) + (["FAIL"] if m["fail"] else [])
+        op = nosync[i] if i < len(nosync) else None
+        if op is not None:
+            bits.append("then zero_grad()" if op["how"] == "zero" else f"then every .grad.mul_({op['s']})")
+        if i == 0:
+            bits += ["then " + _edit_text(e) for e in edits if e["at"] == "micro"]
         micro.append("[" + " ".join(bits) + "]")
     sync = " (all but the last under no_sync)" if step["no_sync"] else ""
     parts.append(f"{len(step['micro'])} micro-batch(es) {' '.join(micro)}{sync}")
     parts += [f"{op} forward after backward" for op in step["post"]]
+    parts += [_edit_text(e) for e in edits if e["at"] == "backward"]
+    for g in step.get("grad_edits", []):
+        which = "every .grad" if g["key"] is None else f"the .grad of the parameters picked by name with key {g['key']}"
+        parts.append({
+            "rebind": f"{which}: p.grad = p.grad * {g['s']} + {g['o']}",
+            "data": f"{which}: p.grad.data = p.grad.data * {g['s']} + {g['o']}",
+            "inplace": f"{which}: p.grad.mul_({g['s']}).add_({g['o']})",
+            "none": f"{which}: p.grad = None",
+        }[g["how"]])
     if step["clip"] is not None:
         parts.append(f"clip_grad_norm_({step['clip']})")
-    return "; ".join(parts) + "; step"
+    text = "; ".join(parts) + "; step"
+    if step.get("ema"):
+        e = step["ema"]
+        text += f"; AveragedModel EMA (decay {e['decay']}) made, then updated after each step and evaluated{' in eval mode' if e['eval'] else ''} under no_grad"
+    if step.get("copy"):
+        k = step["copy"]
+        text += f"; deep copy: parameters *= {k['factor']}, {'zero_grad, ' if k['zero_grad'] else ''}one step of its own optimizer"
+    return text
+
+
+def _edit_text(e: Dict[str, Any]) -> str:
+    which = "model.parameters()" if e["key"] is None else f"the parameters picked by name with key {e['key']}"
+    affine = f"* {e['a']} {'-' if e['b'] < 0 else '+'} {abs(e['b'])}"
+    return {
+        "data": f"{which}: p.data = p.data {affine}",
+        "inplace": f"{which}: p.mul_({e['a']}).add_({e['b']})",
+        "vec": f"vector_to_parameters(parameters_to_vector(ps) {affine}, ps), ps = {which}",
+        "replace": f"{which}: replaced by nn.Parameter(p {affine}) (the optimizer moved to it)",
+    }[e["how"]]
 
 
 def _tree_lines(node: Dict[str, Any], depth: int) -> List[str]:
@@ -523,8 +777,9 @@ def one_line(case: Case) -> str:
     """A one-line summary of a case, for the long mode's report."""
     kinds = sorted({n["kind"] for n in walk(case.spec["body"])})
     ck = case.checkpoint
-    ckpt = f", ckpt {ck['mode']}@{ck['step']}->ws{ck['world_size']}" if ck else ""
-    return f"ws{case.world_size} {case.strategy} {describe_wrap(case)}; {len(case.steps)} steps; kinds {','.join(kinds)}{ckpt}"
+    ckpt = f", ckpt {ck['mode']}@{ck['step']}->ws{ck['world_size']}{' cross-mode' if ck.get('cross') else ''}" if ck else ""
+    orig = " orig" if case.options.get("orig") else ""
+    return f"ws{case.world_size} {case.strategy}{orig} {describe_wrap(case)}; {len(case.steps)} steps; kinds {','.join(kinds)}{ckpt}"
 
 
 def to_json(case: Case) -> str:

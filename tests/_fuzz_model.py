@@ -76,6 +76,10 @@ def unpack(out: Any) -> torch.Tensor:
 
 
 class Lin(nn.Linear):
+    # ``clamp``: a bound the forward clamps the weight to, in place, when autograd is off
+    # (no_grad, inference_mode): a constraint applied when the model is evaluated.
+    clamp: Optional[float] = None
+
     def __init__(self, fan_in: int, fan_out: int, bias: bool, key: int) -> None:
         self.wkey, self.bkey = key, key + 1  # plain ints may be set before nn.Module.__init__;
         super().__init__(fan_in, fan_out, bias=bias)  # a tie copies wkey, never bkey
@@ -84,6 +88,12 @@ class Lin(nn.Linear):
         fill(self.weight, self.wkey, "matrix")
         if self.bias is not None:
             fill(self.bias, self.bkey, "small")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clamp is not None and not torch.is_grad_enabled():
+            with torch.no_grad():
+                self.weight.clamp_(-self.clamp, self.clamp)
+        return super().forward(x)
 
 
 class Norm(nn.LayerNorm):
@@ -348,6 +358,12 @@ def build_model(spec: Dict[str, Any], device: Optional[str] = None, with_nodes: 
         dst.wkey = src.wkey
     for node_id in spec["frozen"]:
         built[node_id].requires_grad_(False)
+    clamp = spec.get("clamp")
+    if clamp:
+        for node_id in clamp["nodes"]:
+            built[node_id].clamp = clamp["bound"]
+        if clamp["head"]:
+            model.head.clamp = clamp["bound"]
     return (model, built) if with_nodes else model
 
 

@@ -1,24 +1,30 @@
 """Running a fuzz case sharded (in the rank processes) and as single-process training (the
 truth), and comparing the two event by event.
 
-Both sides run the same loop (``Run.train``): per step, ``requires_grad`` toggles, zero_grad,
-extra forwards, micro-batches (all but the last under ``no_sync`` on the sharded side; plain
-gradient accumulation in the reference), a planned backward failure caught by the loop, more
-extra forwards, clipping and the optimizer step. Every forward's loss, every clip norm and
-(at the end, after loading a checkpoint and optionally after every step) all parameters and
-buffers become *events*; the test process compares them in order and reports the first
-difference.
+Both sides run the same loop (``Run.train``): per step, ``requires_grad`` toggles (per unit,
+per parameter), parameter edits, zero_grad, extra forwards, micro-batches (all but the last
+under ``no_sync`` on the sharded side; plain gradient accumulation in the reference; gradient
+edits and parameter edits between them), a planned backward failure caught by the loop, more
+extra forwards, parameter and gradient edits, clipping and the optimizer step; then the EMA
+copy is updated and evaluated and a deep copy trains. The same code writes to both models
+(``model.parameters()``, and with use_orig_params ``named_parameters()``: the unwrapped
+model's names). Every forward's loss, every clip norm and (at the end, after loading a
+checkpoint, optionally after every step, and for each copy) all parameters and buffers
+become *events*; the test process compares them in order and reports the first difference.
 
 The reference follows FSDP1's documented semantics where they differ from a plain model:
 a ``FlatParameter`` that receives a gradient in a step gives a zero gradient to those of its
 original parameters that got none (so the optimizer steps them), and a model resumed from a
 checkpoint starts without gradients. Which original parameters share a ``FlatParameter`` and
-which belong to a unit comes from the sharded model (checked to partition the parameters).
+which belong to a unit comes from the sharded model, per model it built (a checkpoint loaded
+into the other use_orig_params mode changes a unit's parameters where a tie crosses units;
+checked to partition the parameters).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import os
@@ -27,6 +33,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flatshard import (
     BackwardPrefetch,
@@ -44,7 +52,7 @@ from flatshard import (
     transformer_auto_wrap_policy,
 )
 from flatshard._common import clean_name, join_name
-from tests._fuzz import Case
+from tests._fuzz import Case, orig_at, pick_names
 from tests._fuzz_model import PLANNED_FAILURE, POLICY_CLASSES, VOCAB, build_model, loss_of
 
 RTOL = 1e-5
@@ -92,12 +100,15 @@ class Run:
         self.events: List[Event] = []
         self.model: nn.Module = nn.Module()
         self.optim: Optional[torch.optim.Optimizer] = None
+        self.ema: Optional[Tuple[nn.Module, bool]] = None  # (the AveragedModel, evaluated in eval mode)
+        self.step_now = 0
 
     # -- the loop shared by both sides ----------------------------------------------------
 
     def train(self, start: int, end: int) -> None:
         case = self.case
         for step in range(start, end):
+            self.step_now = step
             ck = case.checkpoint
             if ck is not None and ck["step"] == step and not ck["new_task"]:
                 self.roundtrip(step)
@@ -108,6 +119,10 @@ class Run:
                 self.summon_write(*plan["summon"])
             for toggle in plan["toggles"]:
                 self.toggle(*toggle)
+            for t in plan["ptoggles"]:
+                for p in self.params_for(self.model, t["key"]):
+                    p.requires_grad_(t["flag"])
+            self.edit_params(plan, "start")
             if plan["zero_grad"]:
                 self.optim.zero_grad(set_to_none=case.set_to_none)
             for i, op in enumerate(plan["pre"]):
@@ -115,36 +130,54 @@ class Run:
             self.micro_batches(step, plan)
             for i, op in enumerate(plan["post"]):
                 self.extra_forward(op, step, f"step {step} {op} forward after backward", 10 + i)
+            self.edit_params(plan, "backward")
+            for g in plan["grad_edits"]:
+                self.edit_grads(g)
             if plan["clip"] is not None:
                 self.events.append(("clip", step, f"step {step} clip_grad_norm_({plan['clip']})", self.clip(plan["clip"])))
-            self.before_step()
             self.optim.step()
             if case.check_every_step or step == len(case.steps) - 1:
                 self.snapshot(step, f"after step {step}")
+            self.copies(step, plan)
 
     def micro_batches(self, step: int, plan: Dict[str, Any]) -> None:
         n = len(plan["micro"])
         for m, micro in enumerate(plan["micro"]):
-            tokens, targets = self.data(step, m, "train")
             quiet = plan["no_sync"] and m < n - 1
             with self.no_sync() if quiet else contextlib.nullcontext():
-                out = self.model(tokens, skip=tuple(micro["skip"]), fail=micro["fail"])
-                loss = loss_of(self.model, out, targets) / n
-                self.events.append(("loss", step, f"step {step} micro-batch {m} loss", loss.item()))
-                if not loss.requires_grad:  # everything it depends on is frozen
-                    self.events.append(("loss", step, f"step {step} micro-batch {m}: no backward (loss needs no gradient)", 0.0))
-                    continue
-                try:
-                    loss.backward()
-                except Exception as exc:  # noqa: BLE001 - only the planned failure is caught
-                    if PLANNED_FAILURE not in str(exc):
-                        raise
-                    self.events.append(("loss", step, f"step {step} micro-batch {m} backward failed (zero_grad, continue)", 0.0))
-                    # set_to_none=True: a backward that raised leaves partial gradients on the
-                    # parameters autograd finished before the error; zeroing them in place would
-                    # keep zero gradients on exactly those, which a FlatParameter (all of its
-                    # parameters, or none) cannot mirror (README, "Things to know").
-                    self.optim.zero_grad(set_to_none=True)
+                self.micro_batch(step, m, n, micro)
+            edit = plan["nosync_edits"][m] if quiet and m < len(plan["nosync_edits"]) else None
+            if edit is not None and edit["how"] == "zero":
+                self.optim.zero_grad(set_to_none=self.case.set_to_none)
+                if self.case.set_to_none:
+                    self.grads_dropped()
+            elif edit is not None:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(edit["s"])
+            if m == 0:
+                self.edit_params(plan, "micro")
+
+    def micro_batch(self, step: int, m: int, n: int, micro: Dict[str, Any]) -> None:
+        tokens, targets = self.data(step, m, "train")
+        out = self.model(tokens, skip=tuple(micro["skip"]), fail=micro["fail"])
+        loss = loss_of(self.model, out, targets) / n
+        self.events.append(("loss", step, f"step {step} micro-batch {m} loss", loss.item()))
+        if not loss.requires_grad:  # everything it depends on is frozen
+            self.events.append(("loss", step, f"step {step} micro-batch {m}: no backward (loss needs no gradient)", 0.0))
+            return
+        try:
+            loss.backward()
+        except Exception as exc:  # noqa: BLE001 - only the planned failure is caught
+            if PLANNED_FAILURE not in str(exc):
+                raise
+            self.events.append(("loss", step, f"step {step} micro-batch {m} backward failed (zero_grad, continue)", 0.0))
+            # set_to_none=True: a backward that raised leaves partial gradients on the
+            # parameters autograd finished before the error; zeroing them in place would
+            # keep zero gradients on exactly those, which a FlatParameter (all of its
+            # parameters, or none) cannot mirror (README, "Things to know").
+            self.optim.zero_grad(set_to_none=True)
+            self.grads_dropped()
 
     def extra_forward(self, op: str, step: int, label: str, index: int) -> None:
         tokens, targets = self.data(step, index, "extra")
@@ -155,6 +188,110 @@ class Run:
             loss = loss_of(self.model, self.model(tokens), targets)
         self.model.train()
         self.events.append(("loss", step, label, loss.item()))
+
+    # -- writes to parameters, gradients, and copies of the model (the same on both sides) --
+
+    @staticmethod
+    def params_for(model: nn.Module, key: Optional[int]) -> List[nn.Parameter]:
+        """``model.parameters()`` (``key`` None), or those of ``named_parameters()`` that
+        ``pick_names`` chooses (with use_orig_params the unwrapped model's names)."""
+        if key is None:
+            return list(model.parameters())
+        named = dict(model.named_parameters())
+        return [named[n] for n in pick_names(list(named), key)]
+
+    def edit_params(self, plan: Dict[str, Any], at: str) -> None:
+        for e in plan["edits"]:
+            if e["at"] != at:
+                continue
+            params, a, b = self.params_for(self.model, e["key"]), e["a"], e["b"]
+            if e["how"] == "data":
+                for p in params:
+                    p.data = p.data * a + b
+            elif e["how"] == "inplace":
+                with torch.no_grad():
+                    for p in params:
+                        p.mul_(a).add_(b)
+            elif e["how"] == "vec":
+                if params:
+                    vector_to_parameters(parameters_to_vector(params) * a + b, params)
+            else:
+                self.replace_params(params, a, b)
+
+    def replace_params(self, params: List[nn.Parameter], a: float, b: float) -> None:
+        """Register ``nn.Parameter(p * a + b)`` wherever each of ``params`` is registered, and
+        move the optimizer (its param groups and state) to the new objects."""
+        for old in params:
+            new = nn.Parameter(old.detach() * a + b, requires_grad=old.requires_grad)
+            for module in self.model.modules():
+                for attr, held in list(module._parameters.items()):
+                    if held is old:
+                        setattr(module, attr, new)
+            for group in self.optim.param_groups:
+                group["params"][:] = [new if q is old else q for q in group["params"]]
+            if old in self.optim.state:
+                self.optim.state[new] = self.optim.state.pop(old)
+
+    def edit_grads(self, g: Dict[str, Any]) -> None:
+        s, o = g["s"], g["o"]
+        for p in self.params_for(self.model, g["key"]):
+            if p.grad is None:
+                continue
+            if g["how"] == "rebind":
+                p.grad = p.grad * s + o
+            elif g["how"] == "data":
+                p.grad.data = p.grad.data * s + o
+            elif g["how"] == "inplace":
+                p.grad.mul_(s).add_(o)
+            else:
+                p.grad = None
+
+    def copies(self, step: int, plan: Dict[str, Any]) -> None:
+        """After the optimizer step: the EMA copy is updated and evaluated (or made), a deep
+        copy trains for a step; the EMA's parameters are compared when it is dropped (at the
+        end, or before a checkpoint is loaded)."""
+        if self.ema is not None:
+            self.ema[0].update_parameters(self.model)
+            self.eval_ema(step, "updated")
+        if plan["ema"]:
+            average = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(plan["ema"]["decay"]))
+            self.ema = (average, plan["ema"]["eval"])
+            self.eval_ema(step, "made")
+        if plan["copy"]:
+            self.train_copy(step, plan["copy"])
+        ck = self.case.checkpoint
+        if self.ema is not None and (step == len(self.case.steps) - 1 or (ck is not None and ck["step"] == step + 1)):
+            self.snapshot_of(self.ema[0].module, step, f"EMA after step {step}")
+            self.ema = None
+
+    def eval_ema(self, step: int, what: str) -> None:
+        average, in_eval = self.ema
+        tokens, targets = self.data(step, 30, "extra")
+        if in_eval:
+            average.eval()
+        with torch.no_grad():
+            loss = loss_of(average, average(tokens), targets)
+        average.train()
+        self.events.append(("loss", step, f"step {step} EMA ({what}) loss", loss.item()))
+
+    def train_copy(self, step: int, spec: Dict[str, Any]) -> None:
+        clone = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.mul_(spec["factor"])
+        optim = make_optim(self.case, clone.parameters())
+        if spec["zero_grad"]:
+            optim.zero_grad(set_to_none=True)
+        tokens, targets = self.data(step, 40, "extra")
+        loss = loss_of(clone, clone(tokens), targets)
+        self.events.append(("loss", step, f"step {step} deep copy's loss", loss.item()))
+        if loss.requires_grad:
+            loss.backward()
+            self.fill_grads(clone)
+            optim.step()
+        self.snapshot_of(clone, step, f"deep copy after its step {step}")
+        del clone, optim
+        gc.collect()
 
     # -- per side -------------------------------------------------------------------------
 
@@ -170,8 +307,11 @@ class Run:
     def clip(self, max_norm: float) -> float:
         raise NotImplementedError
 
-    def before_step(self) -> None:
+    def fill_grads(self, model: nn.Module) -> None:
         pass
+
+    def grads_dropped(self) -> None:
+        pass  # every .grad was set to None mid-step
 
     def reload(self, kind: str) -> None:
         pass  # the reference: loading what was just saved changes nothing
@@ -186,6 +326,9 @@ class Run:
             named[index % len(named)][1].mul_(factor)
 
     def snapshot(self, step: int, label: str) -> None:
+        self.snapshot_of(self.model, step, label)
+
+    def snapshot_of(self, model: nn.Module, step: int, label: str) -> None:
         raise NotImplementedError
 
     def roundtrip(self, step: int) -> None:
@@ -253,10 +396,14 @@ def process_group(case: Case, rank: int, world_size: int) -> Any:
 
 
 class ShardedRun(Run):
-    def __init__(self, case: Case, rank: int, world_size: int, directory: str) -> None:
+    def __init__(self, case: Case, rank: int, world_size: int, directory: str, first_step: int = 0) -> None:
         super().__init__(case)
         self.rank, self.world_size, self.directory = rank, world_size, directory
         self.group = process_group(case, rank, world_size)
+        # The model's use_orig_params mode (a cross_mode checkpoint loads into the other one),
+        # the first step it runs, and per model built (step, units, FlatParameter groups).
+        self.orig, self.first_step = orig_at(case, first_step), first_step
+        self.reports: List[Tuple[int, List[List[str]], List[List[str]]]] = []
         self.build()
 
     def build(self) -> None:
@@ -274,7 +421,7 @@ class ShardedRun(Run):
             opts["param_init_fn"] = _init_fn
         if case.options["offload"]:
             opts["cpu_offload"] = CPUOffload(offload_params=True)
-        if case.options.get("orig"):
+        if self.orig:
             opts["use_orig_params"] = True
         if case.options["sync_states"]:
             opts["sync_module_states"] = True
@@ -312,7 +459,7 @@ class ShardedRun(Run):
                 for h in unit.handles
             ]
         units = [sorted(n for m in FSDP.fsdp_modules(u) for g in groups_of[id(m)] for n in g) for u in FSDP.fsdp_modules(self.model)]
-        if self.case.options.get("orig"):
+        if self.orig:
             # The unit's parameters are the originals in its subtree: a tie partner owned by an
             # enclosing unit is the same object, so toggling the unit toggles it too.
             units = [
@@ -355,10 +502,10 @@ class ShardedRun(Run):
             model.load_state_dict(state)
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, osd))
 
-    def snapshot(self, step: int, label: str) -> None:
-        with FSDP.summon_full_params(self.model, writeback=False):
-            params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-            buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+    def snapshot_of(self, model: nn.Module, step: int, label: str) -> None:
+        with FSDP.summon_full_params(model, writeback=False):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         self.events.append(("state", step, label, (params, buffers)))
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -371,21 +518,35 @@ class ShardedRun(Run):
 
     def roundtrip(self, step: int) -> None:
         self.save(step)
+        self.report()
         self.model, self.optim = nn.Module(), None
         gc.collect()
+        self.orig, self.first_step = orig_at(self.case, step), step
         self.build()
         self.replay_toggles(step)
         self.load(step)
+
+    def report(self) -> None:
+        self.reports.append((self.first_step, *self.units()))
 
     def replay_toggles(self, step: int) -> None:
         for plan in self.case.steps[:step]:
             for toggle in plan["toggles"]:
                 self.toggle(*toggle)
+            for t in plan["ptoggles"]:
+                for p in self.params_for(self.model, t["key"]):
+                    p.requires_grad_(t["flag"])
 
     def save(self, step: int) -> None:
         mode = self.case.checkpoint["mode"]
-        if mode == "sharded" and any(p.requires_grad and not self.optim.state.get(p) for p in self.model.parameters()):
-            mode = "full"  # README: units without optimizer state resume through the full form
+        if mode == "sharded":
+            # README: units without optimizer state resume through the full form (decided by
+            # all ranks: with use_orig_params a parameter with no part in a rank's shard has no
+            # gradient and no state there)
+            stateless = any(p.requires_grad and p.numel() and not self.optim.state.get(p) for p in self.model.parameters())
+            flag = torch.tensor([float(stateless)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mode = "full" if flag.item() else mode
         model, optim = self.model, self.optim
         if mode == "sharded":
             import torch.distributed.checkpoint as dcp
@@ -457,8 +618,8 @@ def rank_part(rank: int, world_size: int, case: Case, part: str, directory: str,
 
 def _rank_part(rank: int, world_size: int, case: Case, part: str, directory: str) -> Dict[str, Any]:
     torch.manual_seed(0)
-    run = ShardedRun(case, rank, world_size, directory)
     n, ck = len(case.steps), case.checkpoint
+    run = ShardedRun(case, rank, world_size, directory, ck["step"] if part == "after" else 0)
     if part == "all":
         run.train(0, n)
     elif part == "before":
@@ -468,25 +629,36 @@ def _rank_part(rank: int, world_size: int, case: Case, part: str, directory: str
         run.replay_toggles(ck["step"])
         run.load(ck["step"])
         run.train(ck["step"], n)
-    units, groups = run.units()
-    events = run.events
+    run.report()
+    events, reports = run.events, run.reports
     del run
     gc.collect()
-    return {"events": events, "units": units, "groups": groups}
+    return {"events": events, "reports": reports}
 
 
 # -- the reference (single process) -------------------------------------------------------
 
 
 class ReferenceRun(Run):
-    def __init__(self, case: Case, units: List[List[str]], groups: List[List[str]]) -> None:
+    def __init__(self, case: Case, reports: List[Tuple[int, List[List[str]], List[List[str]]]]) -> None:
         super().__init__(case)
         torch.manual_seed(0)
         self.model = build_model(case.spec)
         self.optim = make_optim(case, self.model.parameters())
-        self.named = dict(self.model.named_parameters(remove_duplicate=False))
-        self.units, self.groups = units, groups
-        self.step = 0
+        self.reports = sorted(reports, key=lambda r: r[0])
+        # the parameters that got a gradient in the last backward (see fill_grads), and those
+        # hooked to say so (kept: their ids stay theirs)
+        self.got_grad: set = set()
+        self.hooked: Dict[int, nn.Parameter] = {}
+
+    @property
+    def named(self) -> Dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    def report_at(self, step: int) -> Tuple[int, List[List[str]], List[List[str]]]:
+        """The sharded model's units and FlatParameter groups at ``step`` (they differ between
+        the use_orig_params modes when a tie crosses units)."""
+        return [r for r in self.reports if r[0] <= step][-1]
 
     def train(self, start: int, end: int) -> None:
         for step in range(start, end):
@@ -499,8 +671,9 @@ class ReferenceRun(Run):
         return batch(self.case, step, index, kind, world_size_at(self.case, step))
 
     def toggle(self, index: int, flag: bool, via: str) -> None:
-        for name in self.units[index % len(self.units)]:
-            self.named[name].requires_grad_(flag)
+        units, named = self.report_at(self.step_now)[1], self.named
+        for name in units[index % len(units)]:
+            named[name].requires_grad_(flag)
 
     def summon_write(self, index: int, factor: float) -> None:
         self._scale_one(self.model, index, factor)
@@ -508,19 +681,38 @@ class ReferenceRun(Run):
     def clip(self, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], max_norm))
 
-    def before_step(self) -> None:
-        """FSDP1's flat-parameter rule: a FlatParameter with a gradient gives zeros to its
-        originals that got none."""
-        for group in self.groups:
-            params = [self.named[n] for n in group]
-            if any(p.grad is not None for p in params):
+    def micro_batch(self, step: int, m: int, n: int, micro: Dict[str, Any]) -> None:
+        for p in self.model.parameters():  # (new ones too: a parameter may have been replaced)
+            if id(p) not in self.hooked and p.requires_grad:
+                self.hooked[id(p)] = p
+                p.register_post_accumulate_grad_hook(lambda t: self.got_grad.add(id(t)))
+        self.got_grad.clear()
+        super().micro_batch(step, m, n, micro)
+        # (at each backward, as FSDP1 gives the zeros at each reduction: to the parameters of
+        # that moment, not to one registered later; inside no_sync too, where the .grads are
+        # views of the local full gradient)
+        self.fill_grads(self.model)
+
+    def grads_dropped(self) -> None:
+        self.got_grad.clear()
+
+    def fill_grads(self, model: nn.Module) -> None:
+        """FSDP1's flat-parameter rule: a FlatParameter that gets a gradient in a backward
+        gives zeros to its originals that got none (``self.model``: the parameters that got a
+        gradient in the backward just run, none if it failed; a copy made without gradients:
+        those that have one)."""
+        named = dict(model.named_parameters(remove_duplicate=False))
+        got = (lambda p: id(p) in self.got_grad) if model is self.model else (lambda p: p.grad is not None)
+        for group in self.report_at(self.step_now)[2]:
+            params = [named[n] for n in group]
+            if any(got(p) for p in params):
                 for p in params:
                     if p.grad is None and p.requires_grad:
                         p.grad = torch.zeros_like(p)
 
-    def snapshot(self, step: int, label: str) -> None:
-        params = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+    def snapshot_of(self, model: nn.Module, step: int, label: str) -> None:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         self.events.append(("state", step, label, (params, buffers)))
 
     def roundtrip(self, step: int) -> None:
@@ -657,15 +849,17 @@ def _check(pool: Any, case: Case, timeout: float, dtype: torch.dtype) -> Optiona
 
 
 def _compare_parts(case: Case, parts: List[List[Dict[str, Any]]]) -> Optional[Failure]:
-    units, groups = parts[0][0]["units"], parts[0][0]["groups"]
+    reports = []
     for p, results in enumerate(parts):
         for r, result in enumerate(results):
-            if result["units"] != units or result["groups"] != groups:
-                return Failure(f"part {p} rank {r} reports other units than rank 0: {result['groups']} vs {groups}")
-    reference = ReferenceRun(case, units, groups)
-    problem = check_units(reference.named, groups)
-    if problem:
-        return Failure(f"unit report: {problem}")
+            if result["reports"] != results[0]["reports"]:
+                return Failure(f"part {p} rank {r} reports other units than rank 0: {result['reports']} vs {results[0]['reports']}")
+        reports += results[0]["reports"]
+    reference = ReferenceRun(case, reports)
+    for _, _, groups in reports:
+        problem = check_units(reference.named, groups)
+        if problem:
+            return Failure(f"unit report: {problem}")
     reference.train(0, len(case.steps))
     ck = case.checkpoint
     split = ck["step"] if ck is not None and ck["new_task"] else len(case.steps) + 1

@@ -5,7 +5,8 @@ Classification: a failing case is re-run without each known-bug feature in turn
 (``tests/_fuzz.KNOWN``); the features whose removal makes it pass name the known items. A
 case that still fails with every known feature removed is NEW.
 
-Minimising (greedy): drop steps, schedule operations, options, tree nodes and ties one at a
+Minimising (greedy): drop steps, whole features, schedule operations (and the writes of each
+step: parameter and gradient edits, toggles, copies), options, tree nodes and ties one at a
 time, keeping a change when the case still fails the same way (same error type, or still a
 mismatch).
 """
@@ -13,12 +14,11 @@ mismatch).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 import time
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
-from tests._fuzz import ALL, KNOWN, Case, describe, generate, one_line, restrict, walk
+from tests._fuzz import ALL, KNOWN, Case, adds, describe, generate, one_line, restrict, walk
 from tests._fuzz_run import Failure, check
 
 
@@ -45,11 +45,10 @@ def classify(pool: Any, case: Case, failure: Failure) -> Tuple[str, List[str]]:
 
 
 def _adds_something(case: Case, feature: str) -> bool:
-    without = restrict(case, set(case.features) - {feature})
-    return dataclasses.replace(without, features=()) != dataclasses.replace(case, features=())
+    return adds(case, feature)
 
 
-def shrink(pool: Any, case: Case, failure: Failure, budget: int = 80, log: Callable[[str], None] = lambda s: None) -> Tuple[Case, Failure]:
+def shrink(pool: Any, case: Case, failure: Failure, budget: int = 200, log: Callable[[str], None] = lambda s: None) -> Tuple[Case, Failure]:
     """A smaller case failing like ``case`` (at most ``budget`` re-runs)."""
     wanted = kind_of(failure)
     progress = True
@@ -73,8 +72,17 @@ def _candidates(case: Case) -> Iterator[Case]:
     for keep in sorted({1, n // 2, n - 1}):
         if 0 < keep < n:
             yield _truncated(case, keep)
+    for feature in sorted(case.features):  # whole features first: each removes much at once
+        if adds(case, feature):
+            yield restrict(case, set(case.features) - {feature})
     if case.checkpoint is not None:
         yield _with(case, checkpoint=None)
+        if case.checkpoint.get("cross"):
+            yield _with(case, checkpoint=dict(case.checkpoint, cross=False))
+    if case.spec.get("clamp"):
+        c = copy.deepcopy(case)
+        c.spec["clamp"] = None
+        yield c
     for index in range(n):
         yield from _step_candidates(case, index)
     for ws in range(1, case.world_size):
@@ -110,9 +118,16 @@ def _step_candidates(case: Case, index: int) -> Iterator[Case]:
     edits: List[Tuple[str, Any]] = []
     if len(step["micro"]) > 1:
         edits += [("micro", step["micro"][:i] + step["micro"][i + 1 :]) for i in range(len(step["micro"]))]
-    for key, empty in (("toggles", []), ("pre", []), ("post", []), ("clip", None), ("no_sync", False), ("zero_grad", True), ("summon", None), ("reload", None)):
+    for key, empty in (("toggles", []), ("pre", []), ("post", []), ("clip", None), ("no_sync", False), ("zero_grad", True), ("summon", None), ("reload", None),
+                       ("ptoggles", []), ("grad_edits", []), ("ema", None), ("copy", None)):
         if step[key] != empty:
             edits.append((key, empty))
+    for i in range(len(step["edits"])):
+        edits.append(("edits", step["edits"][:i] + step["edits"][i + 1 :]))
+        if step["edits"][i]["key"] is not None and step["edits"][i]["how"] != "replace":
+            edits.append(("edits", step["edits"][:i] + [dict(step["edits"][i], key=None)] + step["edits"][i + 1 :]))
+    if any(step["nosync_edits"]):
+        edits.append(("nosync_edits", [None] * len(step["nosync_edits"])))
     for key, value in edits:
         c = copy.deepcopy(case)
         c.steps[index][key] = copy.deepcopy(value)

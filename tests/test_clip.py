@@ -294,3 +294,29 @@ summon: [rank R] unit the root module: clip_grad_norm_() cannot be used inside s
 forward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in FORWARD (during forward or backward); call it between iterations
 backward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in BACKWARD_PRE (during forward or backward); call it between iterations
 no_sync: [rank R] unit the root module: clip_grad_norm_() inside no_sync() after a backward under it: the gradients are not averaged over the ranks yet; call it outside no_sync(), which averages them first""")
+
+
+def _torch_clip_on_shards(rank, world_size, orig):
+    """What README's migration notes say: torch.nn.utils.clip_grad_norm_ on the wrapped model's
+    parameters sees only this rank's shard (each rank a different norm, none the model's);
+    model.clip_grad_norm_ gives the single-process norm."""
+    from tests._models import wrap
+
+    plain = build()
+    tokens, targets = batch(0, world_size)
+    lm_loss(plain(tokens), targets).backward()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9).item()
+    model = wrap(build(), "nested", use_orig_params=orig)
+    lm_loss(model(local(tokens, rank)), local(targets, rank)).backward()
+    shard_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+    return expected, shard_norm, model.clip_grad_norm_(1e9).item()
+
+
+class TorchClipOnShardsTest(TestCase):
+    def test_torch_clip_grad_norm_sees_one_shard_model_clip_grad_norm_the_model(self):
+        for orig in (True, False):
+            results = self.pool.run(_torch_clip_on_shards, 2, orig)
+            (expected, first, ours), (_, second, _) = results
+            self.assertNotAlmostEqual(first, second, places=3)
+            self.assertTrue(first < expected and second < expected)
+            self.assertAlmostEqual(ours, expected, places=4)

@@ -301,3 +301,25 @@ class TrainingLoopsTest(TestCase):
     def test_staged_freezing_trains_right_in_fsdp1_too(self) -> None:
         # (so the README does not count it among FSDP1's failures)
         self.assertEqual(self.pool.run(_adversarial, 2, "_staged_parity", "FULL_SHARD", "BACKWARD_PRE"), [True, True])
+
+
+# -- writes to original parameters -----------------------------------------------------------------
+
+
+def _fsdp1_edits(rank: int, world_size: int) -> List[str]:
+    """``tests/test_param_writes.py``'s edits between steps (``.data`` rebound,
+    ``vector_to_parameters``, in place, new ``nn.Parameter``s, ``.grad`` rebound / ``.data`` /
+    in place) under FSDP1 with ``use_orig_params=True``: it writes them back too, so training
+    equals single-process training there as here."""
+    import tests.test_param_writes as writes
+
+    with _as_fsdp1(), mock.patch.multiple(writes, full_params=_full_params, _summoned=_full_params, ShardingStrategy=torch_fsdp.ShardingStrategy):
+        return writes._edits_reach_the_shards(rank, world_size, True, "FULL_SHARD", "0")
+
+
+class WritesTest(TestCase):
+    def test_fsdp1_writes_back_what_the_loops_write_to_original_parameters(self) -> None:
+        import tests.test_param_writes as writes
+
+        done = self.pool.run(_fsdp1_edits, 2)[0]
+        self.assertEqual(done, list(writes.EDITS) + list(writes.ORIG_ONLY_EDITS))

@@ -228,7 +228,8 @@ def _views(rank: int, world_size: int) -> Dict[str, Any]:
     tokens, targets = batch(0, world_size)
     loss = lm_loss(model(local(tokens, rank)), local(targets, rank))
     loss.backward()
-    grads = {n: (p.grad is not None, p.grad is None or p.grad.shape == p.shape) for n, p in model.named_parameters()}
+    # (a parameter with no part in this rank's shard gets no gradient, as in FSDP1)
+    grads = {n: ((p.grad is not None) == (p.numel() > 0), p.grad is None or p.grad.shape == p.shape) for n, p in model.named_parameters()}
     # zero_grad(set_to_none=True) drops the views; the next forward releases the shard gradients
     torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -364,3 +365,32 @@ mixed_precision=MixedPrecision(keep_low_precision_grads=True) with use_orig_para
 the auto-wrap policy cannot override 'use_orig_params' for one unit (module 'blocks.0' (Block))
 use_orig_params must be the same for every unit of a model: the unit at 'blocks.0' was built with use_orig_params=False, the unit wrapping it with use_orig_params=True""",
         )
+
+
+def _frozen_sharded_checkpoint(rank: int, world_size: int, directory: str) -> bool:
+    """With parameters frozen at wrapping, a trained model's sharded optimizer state dict has
+    the same entries as a fresh model's (templates for the frozen ones), so it loads into one
+    through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> Tuple[nn.Module, torch.optim.Optimizer]:
+        model = wrap(build(frozen_blocks=(0,)), "nested", **ORIG)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+        with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return {"model": model.state_dict(), "optim": ShardedDataParallel.optim_state_dict(model, optim)}
+
+    model, optim = make()
+    _train(model, optim, world_size, rank, steps=1)
+    saved = state(model, optim)
+    dcp.save(saved, checkpoint_id=directory)
+    fresh, fresh_optim = make()
+    template = state(fresh, fresh_optim)
+    assert sorted(template["optim"]["state"]) == sorted(saved["optim"]["state"])
+    dcp.load(template, checkpoint_id=directory)
+    return True
+
+
+def test_a_sharded_checkpoint_with_frozen_parameters_loads_into_a_fresh_model(rank_pool, tmp_path):
+    assert rank_pool.run(_frozen_sharded_checkpoint, 2, str(tmp_path / "ckpt")) == [True, True]

@@ -37,7 +37,7 @@ def _step_events(
                 rec.clear()
             with model.no_sync() if no_sync and step == 1 else contextlib.nullcontext():
                 lm_loss(model(tokens), targets).backward()
-                # (inside no_sync: a step outside it would average what the backward held)
+            if not (no_sync and step == 1):  # (a step would average what the no_sync backward held)
                 optim.step()
         return rec.events, dict(rec.collectives), rec.max_gathered
 

@@ -15,7 +15,7 @@ import torch
 from expecttest import TestCase
 
 from flatshard import ModuleWrapPolicy, RunCheckpoints, ShardedDataParallel, SkippedCheckpointWarning
-from flatshard.run_checkpoints import MANIFEST, file_problem, file_record, leftovers, published_steps, read_manifest, step_name
+from flatshard.run_checkpoints import MANIFEST, file_problem, file_record, key_mismatch, leftovers, published_steps, read_manifest, step_name, stored_keys
 from tests._models import Block, batch, build, lm_loss
 
 ROWS = 12
@@ -120,6 +120,41 @@ def _errors(rank, world_size, directory):
     return messages
 
 
+def _blocks(n_blocks, seed, sgd=False):
+    model = ShardedDataParallel(build(seed, n_blocks=n_blocks), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    if sgd:
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+
+
+def _mismatched(rank, world_size, directory, saved_blocks, resumed_blocks, sgd=False):
+    """Save step 1 of a ``saved_blocks`` model with AdamW; resume it into a trained
+    ``resumed_blocks`` one (with SGD if ``sgd``), without and with its optimizer (each must
+    raise or load nothing but the model, and a refused one leave model and optimizer as they
+    were); then into a fresh ``saved_blocks`` one with AdamW (must load the saved model and
+    optimizer exactly). Returns the errors."""
+    saved, saved_optim = _blocks(saved_blocks, 0)
+    _step(saved, saved_optim, 1, rank, world_size)
+    RunCheckpoints(directory, saved, saved_optim).save(1, state={"next": 2}, rank_state=rank)
+    model, optim = _blocks(resumed_blocks, 7, sgd)
+    _step(model, optim, 1, rank, world_size)
+    errors = []
+    for optimizer in (None, optim):
+        before = _final(model, optim)
+        try:
+            RunCheckpoints(directory, model, optimizer).resume()
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(f"ValueError: {exc}".replace(directory, "<dir>"))
+            _assert_equal(_final(model, optim), before, "after the refused resume", exact=True)
+    matching, matching_optim = _blocks(saved_blocks, 7)
+    resumed = RunCheckpoints(directory, matching, matching_optim).resume()
+    if (resumed.step, resumed.state, resumed.rank_state) != (1, {"next": 2}, rank):
+        raise AssertionError(f"resumed {resumed}")
+    _assert_equal(_final(matching, matching_optim), _final(saved, saved_optim), "resumed vs saved", exact=True)
+    return errors
+
+
 class RunCheckpointsTest(TestCase):
     def setUp(self):
         self.directory = tempfile.mkdtemp(prefix="flatshard-runckpt-")
@@ -214,6 +249,36 @@ ValueError: RunCheckpoints.save: ranks disagree: rank 1 passed '4' where rank 0 
 ValueError: RunCheckpoints.resume: <dir>/step-00000001 has no optimizer state, but an optimizer was given (pass optimizer=None to load the model only)""",
         )
 
+    def test_resume_into_a_model_with_fewer_layers_raises_naming_the_extra_keys(self):
+        errors = self.pool.run(_mismatched, 2, self._path("3-into-2"), 3, 2)
+        self.assertEqual(errors[0], errors[1])
+        self.assertExpectedInline(
+            "\n".join(errors[0]),
+            """\
+ValueError: RunCheckpoints.resume: <dir>/step-00000001 does not match the model (nothing was loaded): 6 of the checkpoint's 23 model keys are not in the model (blocks.2.norm.weight, blocks.2.norm.bias, blocks.2.fc1.weight and 3 more)
+ValueError: RunCheckpoints.resume: <dir>/step-00000001 does not match the model and optimizer (nothing was loaded): 6 of the checkpoint's 23 model keys are not in the model (blocks.2.norm.weight, blocks.2.norm.bias, blocks.2.fc1.weight and 3 more); 18 of the checkpoint's 63 optimizer keys are not in the optimizer (state.blocks.2.norm.weight.exp_avg, state.blocks.2.norm.weight.exp_avg_sq, state.blocks.2.norm.bias.exp_avg and 15 more)""",
+        )
+
+    def test_resume_into_a_model_with_more_layers_raises_naming_the_missing_keys(self):
+        errors = self.pool.run(_mismatched, 2, self._path("2-into-3"), 2, 3)
+        self.assertEqual(errors[0], errors[1])
+        self.assertExpectedInline(
+            "\n".join(errors[0]),
+            """\
+ValueError: RunCheckpoints.resume: <dir>/step-00000001 does not match the model (nothing was loaded): 6 of the model's 23 keys are not in the checkpoint (blocks.2.norm.weight, blocks.2.norm.bias, blocks.2.fc1.weight and 3 more)
+ValueError: RunCheckpoints.resume: <dir>/step-00000001 does not match the model and optimizer (nothing was loaded): 6 of the model's 23 keys are not in the checkpoint (blocks.2.norm.weight, blocks.2.norm.bias, blocks.2.fc1.weight and 3 more); 18 of the optimizer's 63 keys are not in the checkpoint (state.blocks.2.norm.weight.step, state.blocks.2.norm.weight.exp_avg, state.blocks.2.norm.weight.exp_avg_sq and 15 more)""",
+        )
+
+    def test_resume_with_an_optimizer_of_another_kind_raises_naming_its_keys(self):
+        errors = self.pool.run(_mismatched, 2, self._path("adamw-into-sgd"), 3, 3, True)
+        self.assertEqual(errors[0], errors[1])
+        self.assertExpectedInline(
+            "\n".join(errors[0]),
+            """\
+no error
+ValueError: RunCheckpoints.resume: <dir>/step-00000001 does not match the optimizer (nothing was loaded): 63 of the checkpoint's 63 optimizer keys are not in the optimizer (state.embed.weight.exp_avg, state.embed.weight.exp_avg_sq, state.blocks.0.norm.weight.exp_avg and 60 more); 21 of the optimizer's 21 keys are not in the checkpoint (state.embed.weight.momentum_buffer, state.blocks.0.norm.weight.momentum_buffer, state.blocks.0.norm.bias.momentum_buffer and 18 more) (pass optimizer=None to load the model only)""",
+        )
+
 
 # -- names and files, without a process group -------------------------------------------------
 
@@ -242,3 +307,25 @@ class FilesTest(TestCase):
             self.assertExpectedInline(file_problem(path, "gone", record, True), """file gone is missing""")
             self.assertExpectedInline(file_problem(path, "data", {"size": 3, "crc32": 1}, True), """file data has a different CRC-32 than when it was saved (expected 1)""")
             self.assertEqual(file_problem(path, "data", {"size": 3, "crc32": 1}, False), "")
+
+    def test_stored_keys_are_the_keys_dcp_flattens_a_state_dict_to(self):
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the truth, in DCP's own words
+
+        state = {
+            "model": {"a.weight": torch.ones(2), "b._extra_state": {"x": 1, "y": [torch.ones(1), 2]}},
+            "optim": {
+                "state": {"a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2), "none": None}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["a.weight"], "empty": []}, {"nested": [[1, 2], [torch.ones(1)]]}],
+            },
+            "step": 3,
+        }
+        self.assertEqual(stored_keys(state), list(flatten_state_dict(state)[0]))
+
+    def test_key_mismatch_names_the_first_keys_of_each_kind(self):
+        self.assertEqual(key_mismatch("model", ["a", "b"], ["b", "a"]), [])
+        self.assertExpectedInline(
+            "\n".join(key_mismatch("model", ["a", "b", "c", "d", "e"], ["a", "x"])),
+            """\
+1 of the checkpoint's 2 model keys is not in the model (x)
+4 of the model's 5 keys are not in the checkpoint (b, c, d and 1 more)""",
+        )

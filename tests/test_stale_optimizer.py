@@ -205,3 +205,52 @@ class LifetimeTest(TestCase):
                 "after the next collection": 0,
             },
         )
+
+
+# -- weight-decay groups chosen by p.dim() after wrapping ----------------------------------------
+
+
+def _groups_by_dim(model):
+    """nanoGPT's grouping: matrices decay, the rest do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _decay_by_dim_warning(rank, world_size, orig, by_name):
+    """The warning once per model, naming a matrix and the fix; none for groups chosen by name."""
+    import warnings
+
+    model = wrap(build(), "nested", use_orig_params=orig)
+    if by_name:
+        named = list(model.named_parameters())
+        groups = [
+            {"params": [p for n, p in named if n.endswith("weight") and "norm" not in n], "weight_decay": 0.1},
+            {"params": [p for n, p in named if not (n.endswith("weight") and "norm" not in n)], "weight_decay": 0.0},
+        ]
+    else:
+        groups = _groups_by_dim(model)
+    optim = torch.optim.AdamW(groups, lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _backward(model, rank, world_size)
+            optim.step()
+            optim.zero_grad()
+        if not by_name:
+            torch.optim.AdamW(_groups_by_dim(model), lr=LR).step()  # another optimizer, same model: warned already
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "p.dim()" in str(w.message)]
+
+
+class DecayGroupsByDimTest(TestCase):
+    def test_groups_chosen_by_dim_after_wrapping_warn_once_naming_the_fix(self):
+        orig, flat = self.pool.run(_decay_by_dim_warning, 2, True, False)[0], self.pool.run(_decay_by_dim_warning, 2, False, False)[0]
+        self.assertExpectedInline(
+            "\n".join(orig + flat),
+            """\
+AdamW param group 0 (weight_decay=0.1) holds no parameters, while group 1 (weight_decay=0.0) holds 'embed.weight', a matrix before wrapping: groups chosen by p.dim() after wrapping see every sharded parameter as 1-D and decay nothing (as with FSDP1); choose the groups by name (named_parameters() gives the unwrapped model's names), or build the optimizer before wrapping
+AdamW param group 0 (weight_decay=0.1) holds no parameters, while group 1 (weight_decay=0.0) holds 'embed.weight', a matrix before wrapping: groups chosen by p.dim() after wrapping see every sharded parameter as 1-D and decay nothing (as with FSDP1); wrap with use_orig_params=True and choose the groups by name, or build the optimizer before wrapping with use_orig_params=True""",
+        )
+        self.assertEqual(self.pool.run(_decay_by_dim_warning, 2, True, True), [[], []])
