@@ -20,7 +20,14 @@ from ._collectives import Communicator, Pending
 from ._common import guard_transition
 from ._orig_params import OrigParams, stand_in
 
-__all__ = ["HandleGrads", "HeldGrad", "SplitWithPooledGrad"]
+__all__ = ["HandleGrads", "HeldGrad", "SplitWithPooledGrad", "to_host"]
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, in pinned memory when CUDA is there (see [Note: offloaded
+    gradients]): copies between pinned memory and the GPU run without blocking the host."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return host.copy_(tensor)
 
 
 class HandleGrads:
@@ -51,6 +58,7 @@ class HandleGrads:
     _kept_grad: Optional[torch.Tensor]
     _held_version: Tuple[int, ...]
     _reduction: Optional["_Reduction"]
+    _grad_copy: Optional[Any]  # a torch.cuda.Event
 
     def flat_grad(self) -> Optional[torch.Tensor]:
         """This rank's gradient of the shard as the user left it (``flat_param.grad``); with
@@ -171,8 +179,10 @@ class HandleGrads:
         if shard_grad.dtype != self.grad_dtype:
             shard_grad = shard_grad.to(self.grad_dtype)
         if self.offload:
-            shard_grad = shard_grad.to("cpu")
+            shard_grad = self._copy_to_host(shard_grad)
         grad = self.flat_param.grad
+        if grad is not None and not reduction.is_placeholder(grad):
+            self.settle_grad_copy()  # (the host adds to it now)
         if grad is not None and reduction.is_placeholder(grad):
             grad.data = shard_grad  # (keeps a keep_low_precision_grads .grad's dtype)
         elif grad is None:
@@ -181,6 +191,28 @@ class HandleGrads:
             grad.add_(shard_grad)
         if self.orig is not None:
             self.orig.give_grads(self.flat_param.grad)
+
+    def _copy_to_host(self, shard_grad: torch.Tensor) -> torch.Tensor:
+        """[Note: offloaded gradients] With ``CPUOffload(offload_params=True)`` the shard
+        and its gradient live in pinned CPU memory. A reduced gradient is copied there without
+        blocking the host (a blocking copy would stop the host once per unit, so that it
+        could not queue the next units' backward while the GPU computes); the copy is settled
+        (its event waited for) once at the end of the backward, before anything on the host
+        reads the gradient, and at once where the host adds to an existing gradient or the
+        reduction was not part of a backward (``finish_reduction``)."""
+        if shard_grad.device.type != "cuda":
+            return shard_grad.to("cpu")
+        host = torch.empty(shard_grad.shape, dtype=shard_grad.dtype, device="cpu", pin_memory=True)
+        host.copy_(shard_grad, non_blocking=True)
+        self._grad_copy = torch.cuda.Event()
+        self._grad_copy.record()
+        return host
+
+    def settle_grad_copy(self) -> None:
+        """Wait for the offloaded gradient's copy to the CPU (see [Note: offloaded gradients])."""
+        if self._grad_copy is not None:
+            event, self._grad_copy = self._grad_copy, None
+            event.synchronize()
 
     def set_comm_hook(self, hook: Callable[..., Any], state: Any) -> None:
         """Reduce gradients with ``hook(state, grad)`` (unsharded: all-reduce ``grad`` in place)
@@ -191,11 +223,14 @@ class HandleGrads:
     def has_comm_hook(self) -> bool:
         return self._comm_hook is not None
 
-    def finish_reduction(self) -> None:
-        """Complete a gradient reduction in flight (``flat_param.grad`` is final after it)."""
+    def finish_reduction(self, settle: bool = True) -> None:
+        """Complete a gradient reduction in flight (``flat_param.grad`` is final after it;
+        with ``settle=False``, an offloaded one only after ``settle_grad_copy()``)."""
         if self._reduction is not None:
             reduction, self._reduction = self._reduction, None
             self._accumulate(reduction)
+        if settle:
+            self.settle_grad_copy()
 
     def discard_reduction(self) -> None:
         """Complete a gradient reduction in flight without using its result (the backward

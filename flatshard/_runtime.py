@@ -40,6 +40,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._compile import dynamo_loaded, outside_graph
+from ._host_checks import check_device
 from ._collectives import all_gather_object, differences, fingerprint, item_at, timeout_of
 from ._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
 from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
@@ -421,7 +422,7 @@ class RootRuntime(RootContext):
         if not self.checking:
             return
         for comm in self.check_comms:
-            problem = mismatch(comm.gather_ints(value, self.root.device), [_label(u) for u in self.units])
+            problem = mismatch(comm.gather_ints(value, check_device(comm, self.root.device)), [_label(u) for u in self.units])
             if problem is not None:
                 raise RuntimeError(
                     f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
@@ -432,7 +433,7 @@ class RootRuntime(RootContext):
         """The one check every root forward makes: did all ranks run the same units in order?"""
         names = [_label(u) for u in order]
         for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(names)), self.root.device)
+            values = comm.gather_ints(fingerprint("\n".join(names)), check_device(comm, self.root.device))
             problem = mismatch(values, [_label(u) for u in self.units])
             if problem is None:
                 continue
@@ -463,7 +464,7 @@ class RootRuntime(RootContext):
             if _will_accumulate(h)
         ]
         for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(reached)), self.root.device)
+            values = comm.gather_ints(fingerprint("\n".join(reached)), check_device(comm, self.root.device))
             if len(set(values)) == 1:
                 continue
             everyone = all_gather_object(reached, comm.group)
@@ -604,7 +605,7 @@ class RootRuntime(RootContext):
             self._finish_reduction(*self.reducing.pop(0))
 
     def _finish_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
-        handle.finish_reduction()
+        handle.finish_reduction(settle=False)  # (settled at the end of the backward)
         self._trace("reduced", self._handle_label(unit, handle))
 
     def inputs_done(self, unit: Unit, grads: Sequence[Optional[torch.Tensor]]) -> None:
@@ -665,6 +666,8 @@ class RootRuntime(RootContext):
             self._check_order(token(END_OF_BACKWARD))
             self.checking = False
         for unit in self.units:
+            for handle in unit.handles:
+                handle.settle_grad_copy()
             self._free(unit)
             unit.pending.clear()
             unit.open_input_hooks = 0

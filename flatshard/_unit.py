@@ -19,6 +19,7 @@ from ._buffer_pool import BufferPool
 from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from ._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from ._exec_order import ExecOrder
+from ._host_checks import host_check_comm
 from .api import (
     BackwardPrefetch,
     FullOptimStateDictConfig,
@@ -221,7 +222,8 @@ class RootContext:
         self.comm = root.comm
         # The groups order checks run over: the root's, and under hybrid sharding its
         # replicas' too (together they connect every rank that exchanges data with another).
-        self.check_comms = [c for c in (self.comm, root.replicate) if c is not None and c.world_size > 1]
+        # They gather CPU tensors: see [Note: agreement checks on the host].
+        self.check_comms = [host_check_comm(c) for c in (self.comm, root.replicate) if c is not None and c.world_size > 1]
         # Which unit and handle own each full flat tensor that can be freed, by storage (see
         # [Note: saved parameters] in _saved).
         self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {

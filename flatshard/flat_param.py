@@ -26,7 +26,7 @@ from ._buffer_pool import BufferPool
 from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, clean_name, copy_fields, free_storage, guard_transition, storage_bytes
 from ._layout import OrigParam, ParamInfo, SharedParamInfo, ShardParamInfo, flatten, layout, shard_param_infos, shard_sizes
-from ._handle_grads import HandleGrads, HeldGrad, SplitWithPooledGrad
+from ._handle_grads import HandleGrads, HeldGrad, SplitWithPooledGrad, to_host
 from ._module_views import ModuleViews
 from ._orig_params import OrigParams
 from ._placeholder import ParamPlaceholder
@@ -116,7 +116,8 @@ class FlatParamHandle(HandleGrads):
         self._comm_hook: Optional[Tuple[Callable[..., Any], Any]] = None
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
-        self.sharded = sharded and self.world_size > 1
+        # (one rank offloading keeps a CPU "shard" of everything and gathers it to the device)
+        self.sharded = sharded and (self.world_size > 1 or self.offload)
         self.device = device
         self.dtype = params[0].param.dtype
         requires_grad = params[0].param.requires_grad
@@ -181,6 +182,8 @@ class FlatParamHandle(HandleGrads):
         self.pool = BufferPool()
         # The gradient reduction in flight (see [Note: gradient reduction]).
         self._reduction = None  # (typed in HandleGrads)
+        # The offloaded gradient's copy to the CPU in flight (see [Note: offloaded gradients]).
+        self._grad_copy: Optional[torch.cuda.Event] = None
         self.state = HandleState.UNSHARDED
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
@@ -213,7 +216,7 @@ class FlatParamHandle(HandleGrads):
             "_comm_hook": self._comm_hook, "_full": full, "_full_data": None if full is None else full.data,
             "_module_views": None, "_held_grad": None, "_local_grad": False, "_gather": None,
             "_hold": HeldGrad.NONE, "_kept_grad": None, "_held_version": (),
-            "pool": BufferPool(), "_reduction": None,
+            "pool": BufferPool(), "_reduction": None, "_grad_copy": None,
             "state": HandleState.SHARDED if self.separate_full else HandleState.UNSHARDED,
         }
         new = copy_fields(self, memo, given)
@@ -252,7 +255,7 @@ class FlatParamHandle(HandleGrads):
             return flat_param, full.to(self.compute_dtype, copy=True).requires_grad_(requires_grad)
         start = self.rank * self.shard_numel
         shard = full[start : start + self.shard_numel]
-        flat_param = FlatParameter(shard.to("cpu", copy=True) if self.offload else shard.clone(), requires_grad)
+        flat_param = FlatParameter(to_host(shard) if self.offload else shard.clone(), requires_grad)
         return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
 
     # -- layout -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ._clip import clip_grad_norm_
+from ._compile import dynamo_loaded
 from ._collectives import ProcessGroup
 from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
 from ._deepcopy import copy_model
@@ -219,11 +220,13 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Dynamo traces this method when the model is compiled: see [Note: torch.compile] in _runtime.
         unit, module = self._unit, self._fsdp_wrapped_module
-        compiling = torch.compiler.is_compiling()
+        # (not torch.compiler.is_compiling(): after a graph break, dynamo runs the rest of this
+        # frame eagerly and compiles each frame it calls, the runtime's too)
+        dynamo = dynamo_loaded()
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            summoned = torch.compiler.disable(forward_while_summoned) if compiling else forward_while_summoned
+            summoned = torch.compiler.disable(forward_while_summoned) if dynamo else forward_while_summoned
             return summoned(unit, module, args, kwargs)
-        if compiling:
+        if dynamo:
             return torch.compiler.disable(run_forward, recursive=False)(unit, module, args, kwargs, torch.compiler.disable)
         return run_forward(unit, module, args, kwargs)
 

@@ -204,10 +204,11 @@ def make_optim(params: Any, weight_decay: float = 0.01) -> torch.optim.Optimizer
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
 
 
-def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, rank: Optional[int], create_graph: bool = False) -> List[float]:
+def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, rank: Optional[int], create_graph: bool = False, device: Optional[torch.device] = None) -> List[float]:
     """AdamW training; ``rank is None``: the plain model on global batches, else the wrapped
     model on this rank's slices, all micro-batches but the last under ``no_sync``;
-    ``create_graph``: backwards build a graph of the gradients (dropped before the step)."""
+    ``create_graph``: backwards build a graph of the gradients (dropped before the step);
+    ``device``: where the batches go (else they stay on the CPU)."""
     optim = make_optim(model.parameters())
     losses = []
     for step in range(steps):
@@ -217,6 +218,8 @@ def _train(model: nn.Module, world_size: int, steps: int, micro_batches: int, ra
             tokens, targets = batch(step * micro_batches + micro, world_size)
             if rank is not None:
                 tokens, targets = local(tokens, rank), local(targets, rank)
+            if device is not None:
+                tokens, targets = tokens.to(device), targets.to(device)
             syncing = rank is None or micro == micro_batches - 1
             with contextlib.nullcontext() if syncing else model.no_sync():
                 loss = lm_loss(model(tokens), targets) / micro_batches
