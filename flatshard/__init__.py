@@ -34,6 +34,7 @@ from .api import (
 )
 from . import api, comm_hooks, fully_sharded_data_parallel, plan, sharded_grad_scaler, wrap
 from .flat_param import FlatParameter, FlatParamHandle
+from ._peer_failures import PeerFailedError
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
@@ -66,6 +67,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "ShardedDataParallel",
+    "PeerFailedError",
     "comm_hooks",
     "FullyShardedDataParallel",
     "FlatParameter",

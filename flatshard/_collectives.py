@@ -90,6 +90,15 @@ def size_of(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def global_rank() -> int:
+    return dist.get_rank()
+
+
+def default_store() -> Any:
+    """The default process group's store (every rank of the job reaches it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def backend_of(group: ProcessGroup) -> str:
     return str(dist.get_backend(group))
 
@@ -108,9 +117,12 @@ class Pending:
     """A collective in flight. ``wait()`` completes it, then runs its finishing step (e.g.
     dividing a sum into a mean); waiting again does nothing."""
 
-    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None, host_threads: bool = False) -> None:
+    def __init__(self, work: Any, finish: Optional[Callable[[], None]] = None, host_threads: bool = False, watch: Optional[Any] = None, what: str = "") -> None:
         self._work = work
         self._finish = finish
+        # A gloo wait runs in slices that look at the peers' failures ([Note: peer failures]).
+        self._watch = watch if host_threads else None
+        self._what = what
         # ``host_threads``: the collective runs on threads that share the cores with the
         # caller (gloo); the caller then yields once after waiting for it
         self._yield = _sched_yield if host_threads and work is not None else None
@@ -128,8 +140,11 @@ class Pending:
         """Complete the collective but skip its finishing step (its result is not wanted;
         the collective itself must still complete on every rank)."""
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None
+            if self._watch is not None:
+                self._watch.wait(work, self._what)
+            else:
+                work.wait()
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,10 @@ class Communicator:
         # Carries the two-rank swaps when set: [Note: pair exchange over shared memory].
         self.channel: Optional[Any] = None
         self.channel_label = ""  # what this communicator's chunks are of (the peer's must match)
+        # Set by the root's runtime: its ``StepWatch`` (see [Note: peer failures]) and what
+        # this communicator's collectives are of, for its messages.
+        self.watch: Optional[Any] = None
+        self.label = ""
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Communicator":
         """A copied model talks over the same group, through an exchange of its own (made at
@@ -187,6 +206,8 @@ class Communicator:
     def _note(self, kind: str, op: str, nbytes: int, check: bool = False) -> None:
         if self._observer is not None:
             self._observer(CollectiveEvent(kind, op, nbytes, check))
+        if self.watch is not None:
+            self.watch.issue(f"{'an agreement check' if check else kind} ({self.label or 'the root'})")
 
     def global_ranks(self) -> List[int]:
         """The group's ranks in the default group, in group order."""
@@ -221,7 +242,8 @@ class Communicator:
         return _maybe_wait(self._pending(work), async_op)
 
     def _pending(self, work: Any, finish: Optional[Callable[[], None]] = None) -> Pending:
-        return Pending(work, finish, host_threads=self.gloo)
+        what = self.watch.last[-1][2] if self.watch is not None and self.watch.last else ""
+        return Pending(work, finish, host_threads=self.gloo, watch=self.watch, what=what)
 
     def _pairwise(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
         """Whether the two-rank exchange applies to ``whole`` (all chunks) and ``part`` (one
@@ -294,7 +316,7 @@ class Communicator:
             raise ValueError(f"all_reduce: op must be 'sum' or 'max'; got {op!r}")
         if self.world_size > 1:
             self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
-            dist.all_reduce(tensor, op=ops[op], group=self.group)
+            self._pending(dist.all_reduce(tensor, op=ops[op], group=self.group, async_op=True)).wait()
 
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         """What a ring all-reduce sends per rank: 2 (world - 1) / world of the tensor."""
@@ -304,7 +326,7 @@ class Communicator:
         """Overwrite ``tensor`` on every rank with the group's first rank's ``tensor``."""
         if self.world_size > 1:
             self._note("broadcast", "broadcast", tensor.numel() * tensor.element_size() if self.rank == 0 else 0)
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+            self._pending(dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)).wait()
 
     def gather_ints(self, value: int, device: torch.device) -> List[int]:
         """Every rank's ``value`` (one small synchronous all-gather)."""

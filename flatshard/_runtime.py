@@ -39,11 +39,12 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
+from ._agreement import AgreementChecks
 from ._compile import dynamo_loaded, outside_graph
-from ._host_checks import check_device
-from ._collectives import all_gather_object, differences, fingerprint, item_at, timeout_of
+from ._collectives import backend_of, default_store, global_rank, timeout_of
+from ._peer_failures import StepWatch, make_watch
 from ._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
-from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, mismatch, token
+from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
 from ._saved import SavedParamGuard
 from ._shared_memory import SharedMemoryChannel
 from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
@@ -75,7 +76,37 @@ def lazy_init(unit: Unit) -> "RootRuntime":
         member.bind(runtime)
         runtime.hook_new_trainables(member)
     _share_memory(runtime.units)
+    _watch_peers(runtime)
     return runtime
+
+
+def _new_watch(root: Unit) -> Optional[StepWatch]:
+    """The root's ``StepWatch`` over the ranks of its groups; none on the fake backend (no
+    peers to watch) or alone."""
+    comms = [c for c in (root.comm, root.replicate) if c is not None]
+    if any("fake" in backend_of(c.group) for c in comms):
+        return None
+    ranks = sorted({r for c in comms for r in c.global_ranks()})
+    me = global_rank()
+    return make_watch(default_store(), me, [r for r in ranks if r != me], timeout_of(root.comm.group))
+
+
+def _watch_peers(runtime: "RootRuntime") -> None:
+    """Give every communicator of the root (and its shared-memory channels) the root's
+    ``StepWatch``: [Note: peer failures] in ``_peer_failures``."""
+    watch = runtime.watch
+    if watch is None:
+        return
+    for unit in runtime.units:
+        label = _where(unit)
+        comms = [c for c in (unit.comm, unit.replicate, *(h.comm for h in unit.handles), *(h.replicate for h in unit.handles)) if c is not None]
+        for comm in comms:
+            comm.watch, comm.label = watch, label
+            if comm.channel is not None:
+                comm.channel.watch = watch
+    for comm in runtime.check_comms:
+        comm.watch = watch
+        comm.label = comm.label or "the root's agreement checks"
 
 
 def _share_memory(units: Sequence[Unit]) -> None:
@@ -125,9 +156,9 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
     step = start(unit, args, kwargs)
     try:
         output = module(*step.args, **step.kwargs)
-    except BaseException:
+    except BaseException as error:
         abandon = step.runtime.abandon_forward if opaque is None else opaque(step.runtime.abandon_forward)
-        abandon(step)
+        abandon(step, error)
         raise
     finish = step.runtime.finish_forward if opaque is None else opaque(step.runtime.finish_forward)
     return finish(step, output)
@@ -183,6 +214,7 @@ def before_step(ctx: Optional[RootContext]) -> None:
                 )
         ctx.take_user_writes()
         ctx.reduce_held()
+        ctx.optimizer_steps += 1
 
 
 @contextlib.contextmanager
@@ -209,13 +241,19 @@ def _label(unit: Unit) -> str:
     return display_name(unit.name)
 
 
-class RootRuntime(RootContext):
+def _where(unit: Unit) -> str:
+    return f"unit {display_name(unit.name)}" if unit.name else "the root unit"
+
+
+class RootRuntime(AgreementChecks, RootContext):
     """The forward and backward machinery of one root's units (see the module docstring)."""
 
     def __init__(self, root: Unit) -> None:
         super().__init__(root)
         self.saved_guard = SavedParamGuard(self.freeable, functools.partial(_gather_saved, weakref.ref(self)))
         self._make_hooks()
+        self.watch = _new_watch(root)
+        self.optimizer_steps = 0  # optimizer.step() calls on this model (see [Note: steps agree])
 
     def _make_hooks(self) -> None:
         """The callables registered with autograd, made once: opaque to dynamo if it is loaded
@@ -271,13 +309,16 @@ class RootRuntime(RootContext):
             self._root_post_forward()
         return output
 
-    def abandon_forward(self, step: "UnitForward") -> None:
+    def abandon_forward(self, step: "UnitForward", error: Optional[BaseException] = None) -> None:
         """[Note: a forward that raised] The wrapped module (or a compiler compiling it) raised:
         the saved-tensor guard comes off and the unit goes back to IDLE, so the next forward
         starts as usual. Units it left gathered are refreshed by that forward (see [Note: stale
         gathers] in ``flat_param``), as after a forward whose backward never ran; outputs of
         units that finished are garbage and their hooks never fire. Every rank must raise alike
-        (the forward's collectives stop there)."""
+        (the forward's collectives stop there); a rank that raises alone tells the others,
+        which would wait for it (see [Note: peer failures] in ``_peer_failures``)."""
+        if self.watch is not None and error is not None:
+            self.watch.leave(f"the forward of {_where(step.unit)}", error)
         step.saved.close()
         for handle in step.unit.handles:
             handle.end_forward()
@@ -295,6 +336,8 @@ class RootRuntime(RootContext):
         if _in_backward():
             return
         self.settle()
+        if self.watch is not None:
+            self.watch.begin_step()
         if not self.hooks_outside_graph and dynamo_loaded():
             self._hook_trainables_again()
         self.gathered_in_forward.clear()
@@ -414,68 +457,6 @@ class RootRuntime(RootContext):
         for handle in unit.handles if handles is None else handles:
             if handle.state is not HandleState.SHARDED and handle.reshard():
                 self._trace("free", self._handle_label(unit, handle))
-
-    # -- agreement checks -------------------------------------------------------------------------
-
-    def _check_order(self, value: int) -> None:
-        """One order check (see [Note: order check]) while checking."""
-        if not self.checking:
-            return
-        for comm in self.check_comms:
-            problem = mismatch(comm.gather_ints(value, check_device(comm, self.root.device)), [_label(u) for u in self.units])
-            if problem is not None:
-                raise RuntimeError(
-                    f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
-                    f"units in the same order, e.g. no data-dependent skipping): {problem}"
-                )
-
-    def _check_forward_order(self, order: List[Unit]) -> None:
-        """The one check every root forward makes: did all ranks run the same units in order?"""
-        names = [_label(u) for u in order]
-        for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(names)), check_device(comm, self.root.device))
-            problem = mismatch(values, [_label(u) for u in self.units])
-            if problem is None:
-                continue
-            if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
-                everyone = all_gather_object(names, comm.group)
-                first = min(d.index for d in differences(everyone, "nothing"))  # where any rank differs
-                ran = "; ".join(f"rank {r} ran {item_at(o, first, 'nothing')}" for r, o in enumerate(everyone))
-                problem = f"unit #{first} of this forward differs: {ran}"
-            raise RuntimeError(
-                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
-                f"in the same order, e.g. no data-dependent skipping): {problem}"
-            )
-
-    def _check_backward_agrees(self) -> None:
-        """[Note: backward agreement] Ranks whose backward passes reach different units (one
-        rank leaves a unit's output, or a side loss, out of its loss) would issue different
-        gathers and reductions, which hang or pair the wrong tensors. So when a backward first
-        reaches one of the root's units, the ranks compare, with one small all-gather, which
-        handles will receive a gradient in this backward (autograd knows which gradient
-        accumulators its graph task will run); if they differ, every rank raises the same
-        error before any collective of the backward."""
-        if not self.check_comms:
-            return
-        reached = [
-            _label(unit) + (f" (FlatParameter {h.attr_name})" if len(unit.handles) > 1 else "")
-            for unit in self.units
-            for h in unit.handles
-            if _will_accumulate(h)
-        ]
-        for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(reached)), check_device(comm, self.root.device))
-            if len(set(values)) == 1:
-                continue
-            everyone = all_gather_object(reached, comm.group)
-            union = sorted(set().union(*everyone))
-            lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
-            raise RuntimeError(
-                f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
-                f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
-                f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
-                + "; ".join(lines)
-            )
 
     # -- backward ---------------------------------------------------------------------------------
 
@@ -655,6 +636,8 @@ class RootRuntime(RootContext):
         backward that raised): complete the reductions (a failed backward's are completed but
         their results dropped: nothing of it may reach a gradient later), reduce what
         ``no_sync`` left in units this backward did not reach, free all, reset to IDLE."""
+        if failed and self.watch is not None:
+            self.watch.leave_with(f"rank {self.watch.rank}'s backward of step {self.watch.step} raised (it never reached its end)")
         for unit, handle in self.reducing:
             if failed:
                 handle.discard_reduction()
@@ -707,15 +690,6 @@ def _gather_saved(runtime_ref: "weakref.ref[RootRuntime]", key: int) -> None:
     if runtime is None:
         raise AssertionError("a saved parameter of a ShardedDataParallel model that no longer exists was unpacked")
     runtime.gather_saved(key)
-
-
-def _will_accumulate(handle: FlatParamHandle) -> bool:
-    """Whether the running backward will accumulate a gradient into ``handle``'s full flat tensor."""
-    leaf = handle.grad_leaf
-    if not leaf.requires_grad:
-        return False
-    node = torch.autograd.graph.get_gradient_edge(leaf).node
-    return bool(torch._C._will_engine_execute_node(node))
 
 
 def _cast_inputs(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[torch.dtype]]:

@@ -57,6 +57,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from ._collectives import SWAP_GATHER, SWAP_REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
+from ._peer_failures import SLICE_S
 
 ENV_SWITCH = "FLATSHARD_SHARED_MEMORY"
 SHM_DIR = "/dev/shm"
@@ -167,6 +168,7 @@ class SharedMemoryChannel:
         self.capacity_hint = capacity_hint
         self.prefix = ""  # the segments' path without the rank, once connecting
         self.timeout_s = timeout.total_seconds()
+        self.watch: Optional[Any] = None  # the root's StepWatch ([Note: peer failures]), once bound
         self._mine: Optional[_Segment] = None
         self._theirs: Optional[_Segment] = None
         self._bell_in = -1  # read end of this rank's FIFO (the peer writes)
@@ -295,10 +297,14 @@ class SharedMemoryChannel:
         after this exchange)."""
         started = time.monotonic()
         spin_until = started + _SPIN_S
+        look_at = started + SLICE_S
         while True:
             self._progress()
             if op.done and op.published:
                 return
+            if self.watch is not None and time.monotonic() > look_at:
+                look_at += SLICE_S
+                self._look(started, op)
             if self._peer_gone:
                 self._break(f"{self._peer_gone} while rank {self.rank} waited for rank {self.peer}'s side of collective #{op.seq}, {_a(op.describe())}")
             self._check_usable()
@@ -312,6 +318,15 @@ class SharedMemoryChannel:
                 )
                 self._check_usable()
             self._sleep()
+
+    def _look(self, started: float, op: Exchange) -> None:
+        """Between slices of a wait: the peers' failures ([Note: peer failures]); an exchange
+        abandoned half-way leaves the channel unusable."""
+        try:
+            self.watch.look(started, f"collective #{op.seq}, {_a(op.describe())}, through shared memory")  # type: ignore[union-attr]
+        except Exception as exc:
+            self._break(str(exc))
+            raise
 
     def _publish(self, op: Exchange, chunk: torch.Tensor) -> bool:
         """Copy ``chunk`` into the arena and write ``op``'s record, if there is room."""

@@ -64,9 +64,15 @@ def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> Non
             except Exception:  # noqa: BLE001
                 outcome = (False, (RankFailure(f"{type(exc).__name__}: {exc}"), text))
         finally:
+            broken = False
             if dist.is_initialized():
-                dist.destroy_process_group()
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - e.g. a group left with a collective that never completed
+                    broken = True
         results.put((task_id, index, outcome))
+        if broken:
+            return  # (this process's gloo state is suspect: the pool starts a fresh worker)
 
 
 def _as_failure(value: Any) -> Any:

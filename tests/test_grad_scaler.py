@@ -183,7 +183,12 @@ def _one_rank_overflows(rank, world_size, scaler_cls):
     for step in range(2):
         optim.zero_grad()
         tokens, targets = batch(step, world_size)
-        scaler.scale(lm_loss(model(local(tokens, rank)).float(), local(targets, rank))).backward()
+        try:
+            loss = lm_loss(model(local(tokens, rank)).float(), local(targets, rank))
+        except RuntimeError as exc:  # (the ranks stepped differently: [Note: steps agree])
+            outcome[step] = {"error": str(exc)}
+            break
+        scaler.scale(loss).backward()
         if step == 0 and rank == world_size - 1:
             model.blocks[0].handle.flat_param.grad[0] = math.inf
         shards = [p.detach().clone() for p in model.parameters()]
@@ -216,6 +221,13 @@ class OneRankOverflowTest(TestCase):
         outcomes = self.pool.run(_one_rank_overflows, 2, torch.amp.GradScaler)
         self.assertEqual([o[0]["changed"] for o in outcomes], [True, False])
         self.assertEqual([o[0]["scale"] for o in outcomes], [1024.0, 512.0])
+        # flatshard then refuses the next forward on every rank (see [Note: steps agree])
+        for rank, outcome in enumerate(outcomes):
+            self.assertIn(
+                f"[rank {rank}] the ranks called optimizer.step() on this model a different number of times before "
+                f"this forward (rank 0: 1; rank 1: 0)",
+                outcome[1]["error"],
+            )
 
 
 class ApiTest(TestCase):

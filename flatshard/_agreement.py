@@ -1,0 +1,123 @@
+"""The ranks' agreement checks of a root's runtime: the same units in the same order, the same
+units reached by the backward, the same number of optimizer steps.
+
+``AgreementChecks`` is a mixin of ``RootRuntime`` (which sets every attribute it uses in its
+constructor), so that the runtime's file holds the forward and backward machinery and this one
+the checks that turn ranks which diverge into errors on every rank.
+
+[Note: steps agree] A rank that calls ``optimizer.step()`` on a step the others skip (or skips
+one they take) issues no collective that could tell: the step is local to each shard. Its
+shards then train a different model from that point on, silently. So the runtime counts the
+optimizer steps that touch the model (the optimizer step pre-hook, see ``_stale_optimizer``),
+and the check every root forward makes compares the count along with the units it ran: the
+next forward after such a step raises on every rank, naming each rank's count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+
+from ._collectives import all_gather_object, differences, fingerprint, item_at
+from ._common import display_name
+from ._exec_order import END_OF_BACKWARD, mismatch, token
+from ._host_checks import check_device
+from ._unit import Unit
+from .flat_param import FlatParamHandle
+
+__all__ = ["AgreementChecks"]
+
+
+class AgreementChecks:
+    """Rank-agreement checks (see the module docstring)."""
+
+    # (set by RootRuntime.__init__ and RootContext.__init__)
+    checking: bool
+    check_comms: List[Any]
+    units: List[Unit]
+    root: Unit
+    optimizer_steps: int
+
+    def _check_order(self, value: int) -> None:
+        """One order check (see [Note: order check]) while checking."""
+        if not self.checking:
+            return
+        for comm in self.check_comms:
+            problem = mismatch(comm.gather_ints(value, check_device(comm, self.root.device)), [_label(u) for u in self.units])
+            if problem is not None:
+                raise RuntimeError(
+                    f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
+                    f"units in the same order, e.g. no data-dependent skipping): {problem}"
+                )
+
+    def _check_forward_order(self, order: List[Unit]) -> None:
+        """The one check every root forward makes: did all ranks run the same units in order?"""
+        names = [_label(u) for u in order]
+        steps = f"optimizer steps: {self.optimizer_steps}"  # see [Note: steps agree]
+        for comm in self.check_comms:
+            values = comm.gather_ints(fingerprint("\n".join(names + [steps])), check_device(comm, self.root.device))
+            problem = mismatch(values, [_label(u) for u in self.units])
+            if problem is None:
+                continue
+            if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
+                everyone = all_gather_object((names, self.optimizer_steps), comm.group)
+                if all(n == names for n, _ in everyone):
+                    counts = "; ".join(f"rank {r}: {c}" for r, (_, c) in enumerate(everyone))
+                    raise RuntimeError(
+                        f"[rank {comm.rank}] the ranks called optimizer.step() on this model a different number of "
+                        f"times before this forward ({counts}): a rank that steps alone, or skips a step the "
+                        f"others take, trains a different model from then on (every rank must step together)"
+                    )
+                ran_lists = [n for n, _ in everyone]
+                first = min(d.index for d in differences(ran_lists, "nothing"))  # where any rank differs
+                ran = "; ".join(f"rank {r} ran {item_at(o, first, 'nothing')}" for r, o in enumerate(ran_lists))
+                problem = f"unit #{first} of this forward differs: {ran}"
+            raise RuntimeError(
+                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
+                f"in the same order, e.g. no data-dependent skipping): {problem}"
+            )
+
+    def _check_backward_agrees(self) -> None:
+        """[Note: backward agreement] Ranks whose backward passes reach different units (one
+        rank leaves a unit's output, or a side loss, out of its loss) would issue different
+        gathers and reductions, which hang or pair the wrong tensors. So when a backward first
+        reaches one of the root's units, the ranks compare, with one small all-gather, which
+        handles will receive a gradient in this backward (autograd knows which gradient
+        accumulators its graph task will run); if they differ, every rank raises the same
+        error before any collective of the backward."""
+        if not self.check_comms:
+            return
+        reached = [
+            _label(unit) + (f" (FlatParameter {h.attr_name})" if len(unit.handles) > 1 else "")
+            for unit in self.units
+            for h in unit.handles
+            if _will_accumulate(h)
+        ]
+        for comm in self.check_comms:
+            values = comm.gather_ints(fingerprint("\n".join(reached)), check_device(comm, self.root.device))
+            if len(set(values)) == 1:
+                continue
+            everyone = all_gather_object(reached, comm.group)
+            union = sorted(set().union(*everyone))
+            lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
+            raise RuntimeError(
+                f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
+                f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
+                f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
+                + "; ".join(lines)
+            )
+
+
+
+def _label(unit: Unit) -> str:
+    return display_name(unit.name)
+
+
+def _will_accumulate(handle: FlatParamHandle) -> bool:
+    """Whether the running backward will accumulate a gradient into ``handle``'s full flat tensor."""
+    leaf = handle.grad_leaf
+    if not leaf.requires_grad:
+        return False
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))
