@@ -3,7 +3,7 @@
 [Note: test tiers] Tests that need other processes carry the ``multirank`` marker: those that
 use the session's pool of gloo rank processes (the ``rank_pool`` fixture, or ``self.pool`` in a
 unittest-style class), and those that start a Python subprocess (examples, ``python -m
-flatshard.plan``, fresh-interpreter checks), which also carry ``subprocess``. Everything else is
+flatshard.plan``, fresh-interpreter checks, ``multiprocessing`` processes), which also carry ``subprocess``. Everything else is
 the pure tier, ``python -m pytest -m "not multirank"``: in-process logic that runs in seconds.
 
 The markers are put on at collection by reading the test's source: a unittest-style class as a
@@ -28,7 +28,7 @@ from tests._pool import RankPool
 MULTIRANK = "multirank"
 SUBPROCESS = "subprocess"
 _POOL_WORDS = ("self.pool", "rank_pool", "pool.run(")
-_SUBPROCESS_WORDS = ("subprocess.", "sys.executable", "Popen(")
+_SUBPROCESS_WORDS = ("subprocess.", "sys.executable", "Popen(", "multiprocessing")
 _POOLS_STARTED = pytest.StashKey[List[RankPool]]()
 
 
