@@ -396,7 +396,7 @@ def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
     if size_of(group) == 1:
         return obj
     comm = Communicator(group)
-    device = _object_device(group)
+    device = object_device(group)
     payload = _to_bytes(obj, device) if comm.rank == 0 else torch.empty(0, dtype=torch.uint8, device=device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     comm.broadcast_from_first(size)
@@ -476,7 +476,7 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     comm = Communicator(group)
     if comm.world_size == 1:
         return [obj]
-    device = _object_device(group)
+    device = object_device(group)
     payload = _to_bytes(obj, device)
     sizes = comm.gather_ints(payload.numel(), device)
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
@@ -486,7 +486,7 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
 
 
-def _object_device(group: ProcessGroup) -> torch.device:
+def object_device(group: ProcessGroup) -> torch.device:
     """Where object payloads travel: NCCL communicates CUDA tensors only."""
     if "nccl" in backend_of(group):
         return torch.device("cuda", torch.cuda.current_device())

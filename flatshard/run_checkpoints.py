@@ -68,7 +68,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ._collectives import Communicator, ProcessGroup, _object_device, all_gather_object, broadcast_object, default_group, first_difference
+from ._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
 
@@ -300,7 +300,7 @@ class RunCheckpoints:
         self.group = process_group if process_group is not None else default_group()
         self.verify_checksums = verify_checksums
         self._comm = Communicator(self.group)
-        self._device = _object_device(self.group)
+        self._device = object_device(self.group)
 
     # -- saving ------------------------------------------------------------------------------
 
