@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import tempfile
 
@@ -33,6 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+import flatshard
 from flatshard import FullStateDictConfig, ShardedDataParallel, StateDictType, transformer_auto_wrap_policy
 
 
@@ -162,8 +162,7 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
 
 
 def _shutdown() -> None:
-    gc.collect()  # collect the model before the process group goes (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    flatshard.destroy_process_group()  # as in train_gpt.py: the groups are freed before exit
 
 
 def parse_args(argv=None) -> argparse.Namespace:

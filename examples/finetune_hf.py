@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp
 import transformers
 from torch import nn
 
+import flatshard
 from flatshard import MixedPrecision, RunCheckpoints, ShardedDataParallel, transformer_auto_wrap_policy
 
 TINY = {
@@ -163,8 +163,7 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
     try:
         finetune(args)
     finally:
-        gc.collect()  # the model goes before the process group (gloo can abort at exit otherwise)
-        dist.destroy_process_group()
+        flatshard.destroy_process_group()  # as in train_gpt.py: the groups are freed before exit
 
 
 def parse_args() -> argparse.Namespace:
@@ -199,8 +198,7 @@ def main() -> None:
         try:
             finetune(args)
         finally:
-            gc.collect()
-            dist.destroy_process_group()
+            flatshard.destroy_process_group()
         return
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_spawned, args=(args.nproc, os.path.join(tmp, "rendezvous"), args), nprocs=args.nproc)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import math
 import os
 import resource
@@ -44,6 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+import flatshard
 from flatshard import (
     BackwardPrefetch,
     FullStateDictConfig,
@@ -261,10 +261,10 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
 
 
 def _shutdown() -> None:
-    # Collect the finished model before the process group goes: torch's gloo backend can
-    # abort the process when training objects are only collected at interpreter exit.
-    gc.collect()
-    dist.destroy_process_group()
+    # flatshard's destroy_process_group frees the groups while Python still runs; torch's alone can
+    # leave a gloo group to die at interpreter exit, which can abort the finished process
+    # (README, "Things to know").
+    flatshard.destroy_process_group()
 
 
 def parse_args() -> argparse.Namespace:

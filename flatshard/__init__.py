@@ -39,8 +39,9 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
-from . import run_checkpoints, state_dict
+from . import run_checkpoints, state_dict, teardown
 from .run_checkpoints import Resumed, RunCheckpoints, SkippedCheckpointWarning
+from .teardown import destroy_process_group
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -68,6 +69,8 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "ShardedDataParallel",
     "PeerFailedError",
+    "destroy_process_group",
+    "teardown",
     "comm_hooks",
     "FullyShardedDataParallel",
     "FlatParameter",

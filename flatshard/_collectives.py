@@ -47,6 +47,7 @@ import ctypes
 import hashlib
 import os
 import pickle
+import sys
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -217,7 +218,7 @@ class Communicator:
     def group(self) -> ProcessGroup:
         group = self._group()
         if group is None:
-            raise RuntimeError("the process group of this ShardedDataParallel model was destroyed")
+            raise RuntimeError("the process group was destroyed (destroy_process_group); flatshard holds groups weakly, so this object cannot communicate any more")
         return group
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, check: bool = False) -> Pending:
@@ -377,6 +378,65 @@ def mesh_of(group: ProcessGroup, device: torch.device) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device.type)
+
+
+def registered_groups() -> List[ProcessGroup]:
+    """Every process group torch's registry holds now (the default group first; ``[]`` when
+    none is initialised). Read through torch's private registry where it exists, else only
+    the default group is known."""
+    if not dist.is_initialized():
+        return []
+    world = dist.group.WORLD
+    registry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    others = [g for g in (registry or {}) if g is not world and isinstance(g, ProcessGroup)]
+    return [world] + others
+
+
+def release_cached_meshes() -> None:
+    """Empty torch's process-wide ``DTensor`` caches, which keep every ``DeviceMesh`` they have
+    seen, and with it its process groups, after ``destroy_process_group()`` (see [Note: ending
+    cleanly] in ``teardown``): the ``functools`` caches defined in torch's ``DTensor`` modules
+    (sharding propagation, redistribution plans, mesh topology, ...), the redistribution
+    planners and the native sharding-propagation cache. Which caches exist differs between
+    torch versions, so they are found rather than named; clearing one costs nothing but
+    recomputation. A cache that cannot be cleared keeps its group, and ``teardown``'s check
+    then names it."""
+    prefixes = ("torch.distributed.tensor", "torch.distributed._tensor")
+    if not any(name.startswith(prefixes) for name in sys.modules):
+        return  # (no DTensor was ever used)
+    try:
+        from torch.distributed.tensor import debug as dtensor_debug
+    except ImportError:  # (an older torch: its caches are found below)
+        dtensor_debug = None
+    clears = [getattr(dtensor_debug, "_clear_sharding_prop_cache", None),
+              getattr(sys.modules.get("torch.distributed.tensor._redistribute"), "clear_redistribute_planner_cache", None)]
+    for name, module in list(sys.modules.items()):
+        if name.startswith(prefixes) and module is not None:
+            try:
+                clears.extend(_functools_caches(name, module))
+            except Exception:  # (an odd module-level object: the check that follows reports what is left)
+                continue
+    for clear in clears:
+        if clear is None:
+            continue
+        try:
+            clear()
+        except Exception:  # (see the docstring: the check that follows reports what is left)
+            continue
+
+
+def _functools_caches(module_name: str, module: Any) -> List[Callable[[], None]]:
+    """The ``cache_clear`` of every ``functools`` cache defined in ``module``: its functions
+    and the methods and static methods of its classes."""
+    found = []
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) != module_name:
+            continue
+        members = list(vars(value).values()) if isinstance(value, type) else []
+        for candidate in [value] + [getattr(m, "__func__", m) for m in members]:
+            if type(candidate).__name__ == "_lru_cache_wrapper":
+                found.append(candidate.cache_clear)
+    return found
 
 
 def fingerprint(text: str) -> int:

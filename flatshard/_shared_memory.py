@@ -202,7 +202,7 @@ class SharedMemoryChannel:
     def _connect(self) -> None:
         group = self._group()
         if group is None:
-            raise RuntimeError("the process group of this ShardedDataParallel model was destroyed")
+            raise RuntimeError("the process group was destroyed (destroy_process_group); flatshard holds groups weakly, so this object cannot communicate any more")
         self.state = ChannelState.UNAVAILABLE  # (also if a collective below raises: never retried)
         everyone = all_gather_object(_local_facts(self.capacity_hint), group)
         if not _usable(everyone):

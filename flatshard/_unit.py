@@ -9,9 +9,10 @@ collective, that every rank built the same units.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
@@ -112,10 +113,11 @@ class Unit:
             StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
         )
         # The 1-D DeviceMesh of ``group`` that sharded state dicts put their DTensors on: the
-        # user's device_mesh, else made on first use (``mesh()``).
+        # user's device_mesh, else one made on use and held weakly (``mesh()``): a mesh holds
+        # its group strongly (see [Note: weak process group] in ``_collectives``).
         self._device_mesh = device_mesh
+        self._made_mesh: Optional[Callable[[], Any]] = None
         # Hybrid sharding: the ranks holding the same shards as this one (gradients averaged).
-        self.replicate_group = replicate_group
         self.replicate = Communicator(replicate_group) if replicate_group is not None else None
         # Buffers cast to MixedPrecision.buffer_dtype: (module, name, original dtype), for
         # state dicts, which give them in their original dtype.
@@ -133,12 +135,17 @@ class Unit:
         if self.training_state is not TrainingState.IDLE:
             raise AssertionError(f"{self.where()}: copied while {self.training_state.name}")
         fresh = {"ctx": None, "grad_hooks": {}, "pending": set(), "open_input_hooks": 0, "tracer": None, "state_dict_route": None}
-        shared = {"replicate_group": self.replicate_group, "_device_mesh": self._device_mesh}
+        shared = {"_device_mesh": self._device_mesh, "_made_mesh": self._made_mesh}
         return copy_fields(self, memo, {**fresh, **shared})
 
     @property
     def group(self) -> ProcessGroup:
         return self.comm.group
+
+    @property
+    def replicate_group(self) -> Optional[ProcessGroup]:
+        """Hybrid sharding: the group of the ranks holding the same shards as this one."""
+        return self.replicate.group if self.replicate is not None else None
 
     @property
     def trainable(self) -> List[FlatParamHandle]:
@@ -168,10 +175,15 @@ class Unit:
         self.ctx = ctx
 
     def mesh(self) -> Any:
-        """The 1-D ``DeviceMesh`` of the unit's group (the user's ``device_mesh``, or made once)."""
-        if self._device_mesh is None:
-            self._device_mesh = mesh_of(self.group, self.device)
-        return self._device_mesh
+        """The 1-D ``DeviceMesh`` of the unit's group: the user's ``device_mesh``, else the one
+        made before while anything (a state dict's ``DTensor``) still holds it, else a new one."""
+        if self._device_mesh is not None:
+            return self._device_mesh
+        mesh = self._made_mesh() if self._made_mesh is not None else None
+        if mesh is None:
+            mesh = mesh_of(self.group, self.device)
+            self._made_mesh = weakref.ref(mesh)
+        return mesh
 
     def use_state_dict_settings(self, settings: StateDictSettings) -> None:
         """What ``state_dict()`` / ``load_state_dict()`` produce and take from now on."""

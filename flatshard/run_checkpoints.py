@@ -297,10 +297,15 @@ class RunCheckpoints:
         self.optimizer = optimizer
         self.save_every = save_every
         self.keep = keep
-        self.group = process_group if process_group is not None else default_group()
         self.verify_checksums = verify_checksums
-        self._comm = Communicator(self.group)
+        # (holds the group weakly: see [Note: ending cleanly] in ``teardown``)
+        self._comm = Communicator(process_group if process_group is not None else default_group())
         self._device = object_device(self.group)
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The process group that saves and loads together."""
+        return self._comm.group
 
     # -- saving ------------------------------------------------------------------------------
 

@@ -434,7 +434,7 @@ class ShardedDataParallel(nn.Module):
         units = [unit] + [u for _, u in unit.descendants]
         if unit.ctx is not None:
             raise RuntimeError("register_comm_hook must be called before training starts (before the first forward)")
-        if any(u.replicate_group is not None for u in units):
+        if any(u.replicate is not None for u in units):
             raise NotImplementedError("register_comm_hook with hybrid sharding (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) is not supported")
         if any(h.has_comm_hook() for u in units for h in u.handles):
             raise RuntimeError("a communication hook is registered already; register_comm_hook can be called once")

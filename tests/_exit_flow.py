@@ -5,8 +5,8 @@
 It spawns WORLD gloo ranks that wrap and train a small model, then either save a sharded
 checkpoint through ``torch.distributed.checkpoint`` or load one saved at another world size
 and train on from it. Each rank ends the way the README's "Things to know" says a job should:
-``dist.destroy_process_group()`` after its last collective. The process exits 0 only if every
-rank did.
+``flatshard.destroy_process_group()`` after its last collective, which must free the default
+group (no warning, no reference left). The process exits 0 only if every rank did.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import datetime
 import os
 import sys
 import tempfile
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 def _rank(rank: int, world: int, init: str, checkpoint: str, mode: str) -> None:
     import torch.distributed.checkpoint as dcp
 
+    import flatshard
     from flatshard import ShardedDataParallel, StateDictType
     from tests._models import batch, build, lm_loss, local, make_optim, wrap
 
@@ -36,6 +39,7 @@ def _rank(rank: int, world: int, init: str, checkpoint: str, mode: str) -> None:
             state = {"model": model.state_dict()}
             dcp.load(state, checkpoint_id=checkpoint)
             model.load_state_dict(state["model"])
+            del state  # (its DTensors hold the group: see flatshard.destroy_process_group)
     for step in range(2):
         tokens, targets = (local(t, rank) for t in batch(step, world))
         lm_loss(model(tokens), targets).backward()
@@ -44,7 +48,12 @@ def _rank(rank: int, world: int, init: str, checkpoint: str, mode: str) -> None:
     if mode == "save":
         with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint)
-    dist.destroy_process_group()
+    world = weakref.ref(dist.group.WORLD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (a group still held after the ending)
+        flatshard.destroy_process_group()
+    if world() is not None:
+        raise AssertionError(f"[rank {rank}] the default process group outlived flatshard.destroy_process_group()")
 
 
 def main(argv: list) -> None:

@@ -1058,7 +1058,7 @@ class ReusedUnitOrderCheckTest(TestCase):
 # -- models are freed -----------------------------------------------------------------------------
 
 
-def _freed_after_training(rank: int, world_size: int, strategy: str) -> List[bool]:
+def _freed_after_training(rank: int, world_size: int, strategy: str) -> List[Any]:
     """A trained model (hooks, saved-tensor guard, optimizer step hook) is garbage once the
     user drops it."""
     import gc
@@ -1075,11 +1075,27 @@ def _freed_after_training(rank: int, world_size: int, strategy: str) -> List[boo
     refs = [weakref.ref(model)] + [weakref.ref(h.flat_param) for h in ShardedDataParallel.fsdp_modules(model)[0].handles]
     del model, optim
     gc.collect()
-    return [ref() is not None for ref in refs]
+    alive = [ref() is not None for ref in refs]
+    return [alive, _why_alive(refs) if any(alive) else ""]
+
+
+def _why_alive(refs: List[Any]) -> str:
+    """What still holds the first live object (a failure's message), and whether it goes once
+    other threads have had the GIL for a while."""
+    import gc
+    import sys
+    import time
+
+    target = next(ref() for ref in refs if ref() is not None)
+    held = f"{type(target).__name__}: {sys.getrefcount(target) - 2} references, referrers {[type(r).__name__ for r in gc.get_referrers(target)]}"
+    del target
+    time.sleep(0.5)
+    gc.collect()
+    return f"{held}; after 0.5 s: {[ref() is not None for ref in refs]}"
 
 
 class FreedModelsTest(TestCase):
     def test_a_dropped_model_is_freed(self) -> None:
         for strategy in STRATEGIES:
             with self.subTest(strategy=strategy):
-                self.assertEqual(self.pool.run(_freed_after_training, 2, strategy)[0], [False, False])
+                self.assertEqual(self.pool.run(_freed_after_training, 2, strategy)[0], [[False, False], ""])

@@ -1,0 +1,82 @@
+"""The names ``flatshard.destroy_process_group``'s warning gives to what still holds a group
+([Note: finding holders] in ``flatshard/_holders.py``), with a plain object standing in for
+the group."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from flatshard._holders import UNSEEN, describe_holders
+
+
+class Target:
+    __slots__ = ("__weakref__",)  # (untracked-like: no __dict__ of its own)
+
+
+class Owner:
+    def __init__(self, held: object) -> None:
+        self.group = held
+
+
+def _module_with(name: str, **values: object) -> types.ModuleType:
+    module = types.ModuleType(name)
+    vars(module).update(values)
+    sys.modules[name] = module
+    return module
+
+
+def _describe(target: object) -> list:
+    return describe_holders(target, [__file__])
+
+
+def test_a_global_of_a_module_is_named():
+    target = Target()
+    _module_with("holders_demo_global", GROUP=target)
+    try:
+        assert "the global 'GROUP' of module holders_demo_global" in _describe(target)
+    finally:
+        del sys.modules["holders_demo_global"]
+
+
+def test_containers_in_globals_are_named_one_level_down():
+    target = Target()
+    _module_with("holders_demo_containers", PAIR=(target, 1), CONFIG={"pg": target})
+    try:
+        found = _describe(target)
+        assert "an item of the global 'PAIR' of module holders_demo_containers" in found
+        assert "a value in the global 'CONFIG' of module holders_demo_containers" in found
+    finally:
+        del sys.modules["holders_demo_containers"]
+
+
+def test_a_default_argument_is_named_by_its_module():
+    target = Target()
+    namespace: dict = {"__name__": "holders_demo_defaults"}
+    exec("def send(tensor, group=None):\n    return group\n", namespace)
+    namespace["send"].__defaults__ = (target,)
+    module = _module_with("holders_demo_defaults")
+    vars(module).update(send=namespace["send"])
+    try:
+        assert "default arguments of holders_demo_defaults (send)" in _describe(target)
+    finally:
+        del sys.modules["holders_demo_defaults"]
+
+
+def test_an_attribute_a_local_variable_and_a_closure_are_named():
+    target = Target()
+    owner = Owner(target)
+
+    def captured() -> object:
+        return target
+
+    assert set(describe_holders(target, [], limit=10)) == {
+        "the local variable 'target' of test_an_attribute_a_local_variable_and_a_closure_are_named() (test_pure_holders.py)",
+        "attribute 'group' of a Owner",
+        "a variable captured by tests.test_pure_holders.test_an_attribute_a_local_variable_and_a_closure_are_named.<locals>.captured",
+    }
+    del owner, captured
+
+
+def test_nothing_found_says_so():
+    assert describe_holders(Target(), [__file__]) == [UNSEEN]
