@@ -222,12 +222,13 @@ def _schedstat(tid: int) -> Optional[Tuple[int, int]]:
 
 def _thread_clocks() -> List[float]:
     """[wall seconds, seconds this thread has run on a core, seconds it was runnable but
-    waited for one]. The CPU time is the thread's CPU clock, current when read (schedstat's
-    run time lags by up to a tick for the running thread); the waiting time is schedstat's,
-    which changes only while the thread waits."""
+    waited for one, wall seconds again]. The CPU time is the thread's CPU clock, current when
+    read (schedstat's run time lags by up to a tick for the running thread); the waiting time
+    is schedstat's, which changes only while the thread waits. The wall clock is read before
+    and after the others: see [Note: where the wall time goes]."""
     wall, cpu = time.perf_counter(), time.thread_time()
     stat = _schedstat(threading.get_native_id())
-    return [wall, cpu, stat[1] / 1e9 if stat is not None else 0.0]
+    return [wall, cpu, stat[1] / 1e9 if stat is not None else 0.0, time.perf_counter()]
 
 
 class PhaseClock:
@@ -236,7 +237,15 @@ class PhaseClock:
     the ranks sharing the cores, gloo's threads of any rank, or another rank's step), and the
     rest, the time it slept: blocked in a collective's wait (or DDP's end-of-backward sync).
     Comparing implementations phase by phase shows whether a difference is work (CPU),
-    competition for the cores, or communication waited on."""
+    competition for the cores, or communication waited on.
+
+    A phase's wall time runs from the wall clock read before its first reading of the other
+    clocks to the one read after its last. Were one wall reading used for both, a thread
+    preempted between the wall and schedstat reads at a phase's end would have that wait
+    counted as runnable in the phase but not in its wall time (seen under load: 2 ms of wall,
+    6 ms runnable). This way the wall time always contains what the other clocks measured;
+    the reading itself (microseconds, or the wait of a thread preempted during it) counts in
+    the wall time of both phases around it."""
 
     def __init__(self, read: Callable[[], List[float]] = _thread_clocks) -> None:
         self.on = False
@@ -248,9 +257,10 @@ class PhaseClock:
     def mark(self, phase: str) -> None:
         """``phase`` begins now (and the one before ends): its time is added to ``totals``
         when the clock is ``on`` and the phase is one of ``PHASES`` (not "end")."""
-        now = self._read()
+        now = self._read()  # (wall, cpu, runnable[, wall after]: see the note)
         if self.on and self._phase in self.totals:
-            wall, cpu, runnable = (b - a for a, b in zip(self._since, now))
+            wall = (now[3] if len(now) > 3 else now[0]) - self._since[0]
+            cpu, runnable = now[1] - self._since[1], now[2] - self._since[2]
             for i, value in enumerate((wall, cpu, runnable, max(wall - cpu - runnable, 0.0))):
                 self.totals[self._phase][i] += value
         self._phase, self._since = phase, now

@@ -98,6 +98,25 @@ def test_phase_clock_splits_each_measured_phase_and_nothing_between_steps():
         assert clock.totals[phase] == pytest.approx(values), phase
 
 
+def test_phase_clock_wall_time_contains_a_wait_between_its_readings():
+    """A thread preempted between the wall and schedstat reads that end a phase: the wait
+    (5 ms, runnable) lies inside the phase's wall time, never outside it (with one wall
+    reading the forward was 2 ms of wall but 5 ms runnable)."""
+    readings = iter([
+        [0.0, 0.0, 0.0, 0.0],  # forward starts
+        [0.002, 0.001, 0.005, 0.0071],  # forward ends, backward starts: 5 ms waited mid-reading
+        [0.010, 0.003, 0.005, 0.010],  # backward ends
+    ])
+    clock = _bench_script().PhaseClock(read=lambda: next(readings))
+    clock.on = True
+    for phase in ("forward", "backward", "end"):
+        clock.mark(phase)
+    assert clock.totals["forward"] == pytest.approx([0.0071, 0.001, 0.005, 0.0011])
+    assert clock.totals["backward"] == pytest.approx([0.008, 0.002, 0.0, 0.006])
+    for wall, cpu, runnable, asleep in (clock.totals["forward"], clock.totals["backward"]):
+        assert wall == pytest.approx(cpu + runnable + asleep)
+
+
 def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback():
     tiny = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
             "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,ddp", "--profile", "2"]
