@@ -65,6 +65,12 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _sched_yield: Optional[Callable[[], None]] = getattr(os, "sched_yield", None)  # (not on Windows)
 
 # What a two-rank swap is part of (a shared-memory channel's records say which).
+# What any object using a (weakly held) group says once that group was destroyed.
+GROUP_DESTROYED = (
+    "the process group was destroyed (destroy_process_group); flatshard holds groups weakly, "
+    "so this object cannot communicate any more"
+)
+
 SWAP_GATHER = 1
 SWAP_REDUCE = 2
 
@@ -218,7 +224,7 @@ class Communicator:
     def group(self) -> ProcessGroup:
         group = self._group()
         if group is None:
-            raise RuntimeError("the process group was destroyed (destroy_process_group); flatshard holds groups weakly, so this object cannot communicate any more")
+            raise RuntimeError(GROUP_DESTROYED)
         return group
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, check: bool = False) -> Pending:

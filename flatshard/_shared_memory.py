@@ -56,7 +56,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ._collectives import SWAP_GATHER, SWAP_REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
+from ._collectives import GROUP_DESTROYED, SWAP_GATHER, SWAP_REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
 from ._peer_failures import SLICE_S
 
 ENV_SWITCH = "FLATSHARD_SHARED_MEMORY"
@@ -202,7 +202,7 @@ class SharedMemoryChannel:
     def _connect(self) -> None:
         group = self._group()
         if group is None:
-            raise RuntimeError("the process group was destroyed (destroy_process_group); flatshard holds groups weakly, so this object cannot communicate any more")
+            raise RuntimeError(GROUP_DESTROYED)
         self.state = ChannelState.UNAVAILABLE  # (also if a collective below raises: never retried)
         everyone = all_gather_object(_local_facts(self.capacity_hint), group)
         if not _usable(everyone):

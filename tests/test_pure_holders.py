@@ -4,8 +4,10 @@ the group."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
+from typing import Iterator
 
 from flatshard._holders import UNSEEN, describe_holders
 
@@ -19,11 +21,16 @@ class Owner:
         self.group = held
 
 
-def _module_with(name: str, **values: object) -> types.ModuleType:
+@contextlib.contextmanager
+def _module_with(name: str, **values: object) -> Iterator[types.ModuleType]:
+    """A module ``name`` in ``sys.modules`` holding ``values`` as globals, for the block."""
     module = types.ModuleType(name)
     vars(module).update(values)
     sys.modules[name] = module
-    return module
+    try:
+        yield module
+    finally:
+        del sys.modules[name]
 
 
 def _describe(target: object) -> list:
@@ -32,22 +39,16 @@ def _describe(target: object) -> list:
 
 def test_a_global_of_a_module_is_named():
     target = Target()
-    _module_with("holders_demo_global", GROUP=target)
-    try:
+    with _module_with("holders_demo_global", GROUP=target):
         assert "the global 'GROUP' of module holders_demo_global" in _describe(target)
-    finally:
-        del sys.modules["holders_demo_global"]
 
 
 def test_containers_in_globals_are_named_one_level_down():
     target = Target()
-    _module_with("holders_demo_containers", PAIR=(target, 1), CONFIG={"pg": target})
-    try:
+    with _module_with("holders_demo_containers", PAIR=(target, 1), CONFIG={"pg": target}):
         found = _describe(target)
         assert "an item of the global 'PAIR' of module holders_demo_containers" in found
         assert "a value in the global 'CONFIG' of module holders_demo_containers" in found
-    finally:
-        del sys.modules["holders_demo_containers"]
 
 
 def test_a_default_argument_is_named_by_its_module():
@@ -55,12 +56,8 @@ def test_a_default_argument_is_named_by_its_module():
     namespace: dict = {"__name__": "holders_demo_defaults"}
     exec("def send(tensor, group=None):\n    return group\n", namespace)
     namespace["send"].__defaults__ = (target,)
-    module = _module_with("holders_demo_defaults")
-    vars(module).update(send=namespace["send"])
-    try:
+    with _module_with("holders_demo_defaults", send=namespace["send"]):
         assert "default arguments of holders_demo_defaults (send)" in _describe(target)
-    finally:
-        del sys.modules["holders_demo_defaults"]
 
 
 def test_an_attribute_a_local_variable_and_a_closure_are_named():
