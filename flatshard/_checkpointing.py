@@ -24,6 +24,8 @@ from torch import nn
 
 from ._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference
 from ._common import TrainingState, clean_name
+from ._errors import WrongStateError
+from ._local_shards import assemble, described_shape, is_sharded_tensor
 from ._runtime import reduce_held, settle
 from ._unit import Unit, unit_of
 
@@ -51,12 +53,12 @@ def check_idle(units: Sequence[Unit], what: str) -> None:
         settle(ctx)
     for unit in units:
         if unit.training_state is _SUMMON:
-            raise RuntimeError(
+            raise WrongStateError(
                 f"{unit.where()}: {what} cannot be used inside summon_full_params (the unit's "
                 f"full parameters are already summoned)"
             )
         if unit.training_state is not _IDLE:
-            raise RuntimeError(
+            raise WrongStateError(
                 f"{unit.where()}: {what} cannot be used while the unit is in {unit.training_state.name} "
                 f"(during forward or backward); call it between iterations"
             )
@@ -134,7 +136,7 @@ def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[Bas
 def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
     out = []
     for key, value in state_dict.items():
-        shape = f" {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        shape = f" {described_shape(value)}" if isinstance(value, torch.Tensor) else ""
         out.append(f"{key}: {type(value).__name__}{shape}")
     return out
 
@@ -188,7 +190,11 @@ def _chunk(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
 def full_value(value: Any, comm: Communicator) -> Any:
     """The full tensor of a state-dict value: a plain tensor as it is; a ``DTensor`` split
     ``Shard(0)`` over ``comm``'s ranks (as flatshard and FSDP1 make them) assembled with one
-    all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``."""
+    all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``; a ``ShardedTensor``
+    (FSDP1's and ``load_sharded_optimizer_state_dict``'s) with one all-gather over its group."""
+    if is_sharded_tensor(value):
+        theirs = Communicator(value._process_group) if getattr(value, "_process_group", None) is not None else comm
+        return assemble(value, lambda out, mine: theirs.all_gather(out, mine), theirs.world_size)
     if not is_dtensor(value):
         return value
     from torch.distributed.tensor import Replicate, Shard

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -60,6 +61,13 @@ def clip_grad_norm_(root_unit: Unit, module: nn.Module, max_norm: Any, norm_type
             on_device[grad.device] = coef.to(grad.device)
         grad.mul_(on_device[grad.device])
     dtypes = [g.dtype for g in grads]
+    if not dtypes:
+        # (FSDP1's words, which code written for it matches; usually a clip before backward)
+        warnings.warn(
+            f"{_WHAT} was called on rank {root_unit.rank} with no gradients -- returning the total norm in "
+            f"the default dtype {torch.get_default_dtype()}",
+            stacklevel=3,
+        )
     dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
     return total.to(dtype)
 
@@ -82,8 +90,8 @@ def _check_callable(root_unit: Unit) -> List[Unit]:
     idle, no backward running)."""
     if not root_unit.is_root:
         raise RuntimeError(
-            f"{root_unit.where()}: {_WHAT} must be called on the root ShardedDataParallel (the outermost "
-            f"one), which holds every gradient of the model, not on a nested unit"
+            f"{root_unit.where()}: {_WHAT} should only be called on the root FSDP instance (the outermost "
+            f"ShardedDataParallel), which holds every gradient of the model, not on a nested unit"
         )
     units = [root_unit] + [unit for _, unit in root_unit.descendants]
     check_idle(units, _WHAT)

@@ -90,11 +90,12 @@ def default_group() -> ProcessGroup:
 
 
 def rank_of(group: ProcessGroup) -> int:
-    return dist.get_rank(group)
+    # (the group's own answer: a group passed in explicitly needs no default group, as in FSDP1)
+    return group.rank()
 
 
 def size_of(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+    return group.size()
 
 
 def global_rank() -> int:
@@ -107,7 +108,14 @@ def default_store() -> Any:
 
 
 def backend_of(group: ProcessGroup) -> str:
-    return str(dist.get_backend(group))
+    """The group's backend name; ``"unknown"`` for a group torch does not know (no default
+    group yet, or a stand-in object such as a test's dummy group with only rank and size)."""
+    if not (dist.is_available() and dist.is_initialized()) or not isinstance(group, dist.ProcessGroup):
+        return "unknown"
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return "unknown"
 
 
 def timeout_of(group: ProcessGroup) -> timedelta:

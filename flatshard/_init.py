@@ -9,6 +9,7 @@ Errors name parameters and modules relative to the module being wrapped.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -21,9 +22,11 @@ from ._collectives import (
     default_group,
     first_difference,
     rank_of,
+    size_of,
     require_initialized,
 )
 from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
+from ._errors import ArgumentTypeError
 from ._materialize import has_meta, materialize, retie
 from ._options import ConstructionOptions
 from ._unit import Unit, UnitConfig, unit_of
@@ -54,7 +57,16 @@ def build_unit(
     if options.auto_wrap_policy is not None:
         raise AssertionError("auto_wrap_policy must be planned before building a unit")
     config = check_options(options)
-    require_initialized()
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        # (FSDP1's words, which code written for it matches)
+        warnings.warn(
+            f"FSDP will not all-gather parameters for containers that do not implement forward: a "
+            f"{type(module).__name__} is never called, so its unit's parameters are never gathered for "
+            f"compute; wrap the modules inside it instead",
+            stacklevel=4,
+        )
+    if options.process_group is None and options.device_mesh is None:
+        require_initialized()  # (an explicit group is all a unit needs, as in FSDP1)
     group, replicate_group = _resolve_groups(config.sharding_strategy, options.process_group, options.device_mesh)
     ignored = resolve_ignored(module, options.ignored_modules, options.ignored_states)
     found, buffers, nested, modules = collect(module, ignored)
@@ -75,6 +87,7 @@ def build_unit(
         for _, _, _, buf in buffers:
             for comm in comms:  # (hybrid: across the replicas, then within the shard group)
                 comm.broadcast_from_first(buf)
+    config = _one_rank_strategy(config, group)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     if config.offload_params and not sharded and device.type != "cpu":
         raise NotImplementedError("cpu_offload=CPUOffload(offload_params=True) with sharding_strategy=NO_SHARD on a non-CPU device is not supported")
@@ -94,6 +107,18 @@ def build_unit(
     )
     unit.adopt(nested)
     return unit
+
+
+def _one_rank_strategy(config: UnitConfig, group: ProcessGroup) -> UnitConfig:
+    """A group of one rank has nothing to shard: like FSDP1, the unit runs as ``NO_SHARD``
+    and says so (hybrid strategies keep theirs: their replicas still average gradients;
+    offloaded parameters too: offloading is a sharded unit's)."""
+    strategy = config.sharding_strategy
+    if size_of(group) != 1 or strategy is ShardingStrategy.NO_SHARD or strategy in HYBRID or config.offload_params:
+        return config
+    # (FSDP1's words, which code written for it matches)
+    warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.", stacklevel=4)
+    return dataclasses.replace(config, sharding_strategy=ShardingStrategy.NO_SHARD)
 
 
 def _check_same_mode(config: UnitConfig, nested: Sequence[Tuple[str, Unit]], name: str) -> None:
@@ -187,13 +212,11 @@ def check_options(o: ConstructionOptions) -> UnitConfig:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise TypeError(f"mixed_precision.{field} must be a floating-point torch.dtype or None; got {dtype!r}")
     if o.param_init_fn is not None and not callable(o.param_init_fn):
-        raise TypeError(f"param_init_fn must be callable; got {o.param_init_fn!r}")
+        raise ArgumentTypeError(f"param_init_fn must be callable; got {o.param_init_fn!r}")
     for name in ("sync_module_states", "forward_prefetch", "limit_all_gathers", "use_orig_params"):
         value = getattr(o, name)
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool; got {value!r}")
-    if o.use_orig_params and mp is not None and mp.keep_low_precision_grads:
-        raise NotImplementedError("mixed_precision=MixedPrecision(keep_low_precision_grads=True) with use_orig_params=True is not supported")
     return UnitConfig(strategy, prefetch, o.forward_prefetch, o.limit_all_gathers, offload_params, mp, use_orig_params=o.use_orig_params)
 
 
@@ -261,13 +284,18 @@ def resolve_ignored(module: nn.Module, ignored_modules: Any, ignored_states: Any
             raise ValueError(f"ignored modules must not be {type(item).__name__} units; got one wrapping {type(item.module).__name__}")
         elif isinstance(item, nn.Module):
             if item is module:
-                raise ValueError("the module being wrapped cannot itself be ignored")
+                warnings.warn(
+                    f"Trying to ignore the top-level module passed into the FSDP constructor itself will "
+                    f"result in all parameters being ignored: the {type(module).__name__} being wrapped is "
+                    f"in ignored_modules, so none of its parameters or buffers is sharded (its nested units still are)",
+                    stacklevel=4,
+                )
             modules.update((id(m), m) for m in item.modules())
             # also where another (managed) module shares them: they must stay whole
             params.update((id(p), p) for p in item.parameters())
         else:
             what = "ignored_states must hold nn.Parameters or nn.Modules" if ignored_states is not None else "ignored_modules must hold nn.Modules"
-            raise TypeError(f"{what}; got {type(item).__name__}")
+            raise ArgumentTypeError(f"{what}; got {type(item).__name__}")
     return modules, params
 
 
@@ -297,14 +325,19 @@ def collect(module: nn.Module, ignored: Ignored) -> Tuple[List[OrigParam], _Buff
     seen: Set[int] = set()
 
     def visit(mod: nn.Module, prefix: str) -> None:
-        if id(mod) in seen or id(mod) in ignored_modules:
+        if id(mod) in seen:
             return
         seen.add(id(mod))
-        modules.append((prefix, mod))
-        for attr, param in mod._parameters.items():
-            if param is not None and id(param) not in ignored_params:
-                params.append(OrigParam(join_name(prefix, attr), prefix, mod, attr, param))
-        buffers.extend((join_name(prefix, attr), mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
+        # (an ignored module's states stay ordinary, but units nested in it are still this
+        # unit's, as FSDP1 keeps its wrappers out of the ignored set)
+        if id(mod) not in ignored_modules:
+            modules.append((prefix, mod))
+            params.extend(
+                OrigParam(join_name(prefix, attr), prefix, mod, attr, param)
+                for attr, param in mod._parameters.items()
+                if param is not None and id(param) not in ignored_params
+            )
+            buffers.extend((join_name(prefix, attr), mod, attr, buf) for attr, buf in mod._buffers.items() if buf is not None)
         for child_name, child in mod._modules.items():
             if child is None:
                 continue

@@ -6,7 +6,8 @@ Without ``param_init_fn`` the meta tensors get empty storage and ``reset_paramet
 called on every module of the unit that defines it and holds or contains them; a module that
 holds meta tensors with no ``reset_parameters()`` on it or around it is an error (its values
 would be uninitialised memory). With
-``param_init_fn`` it is called on each such module instead. Either way a parameter shared by
+``param_init_fn`` it is called instead on every module of the unit, outermost first, as FSDP1
+calls it. Either way a parameter shared by
 several modules stays one parameter (``Module.to_empty`` would split it).
 """
 
@@ -52,7 +53,9 @@ def materialize(
     """
     targets = [(name, m) for name, m in modules if _meta_tensors(m)]
     if param_init_fn is not None:
-        for _, module in targets:
+        # Every module of the unit, containers included, outermost first (breadth-first), as
+        # FSDP1 calls it: init functions written for it initialise blocks from their parents.
+        for _, module in sorted(modules, key=lambda named: _depth(named[0])):
             param_init_fn(module)
     else:
         _empty_like_on(device, targets)
@@ -111,6 +114,11 @@ def _reset(modules: _Modules, targets: _Modules, prefix: str) -> None:
     for name, module in reversed(modules):
         if name in resettable and involved(name):
             module.reset_parameters()
+
+
+def _depth(name: str) -> int:
+    """How deep a module sits below the unit's module (named relative to it)."""
+    return name.count(".") + 1 if name else 0
 
 
 def _meta_tensors(module: nn.Module) -> List[str]:

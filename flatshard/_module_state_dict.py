@@ -17,6 +17,15 @@ wrapped module's ``state_dict()`` is the wrapper's full state dict instead:
   model's ``FullStateDictConfig`` when its type is ``FULL_STATE_DICT`` (so ``rank0_only`` /
   ``offload_to_cpu`` apply), else the default config.
 
+[Note: loading through a parent] ``parent.load_state_dict(sd)`` on a plain module holding a
+wrapper walks the tree: torch calls each module's ``_load_from_state_dict`` with the keys
+under its prefix. The wrapper's loads its part of ``sd`` (the unwrapped model's keys) with its
+own ``load_state_dict`` (non-strict: torch reports missing and unexpected keys at the end, as
+for any module), marks the units under it ``ROUTED`` so the nested wrappers the walk reaches
+next load nothing, and a load post-hook on the wrapper drops the keys the walk below it then
+reports missing (the modules' own registrations, which the wrapper's load already covered)
+and clears the marks.
+
 So, like the wrapper's ``state_dict()``, it is collective: every rank calls it (Hugging Face's
 ``save_pretrained(..., is_main_process=rank == 0)`` on every rank does). A ``ROUTED`` mark that
 an exception left behind is harmless: a later pre-hook starts afresh, the wrapper's own
@@ -27,12 +36,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Dict, List, Optional
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional
 
 from torch import nn
 
 from ._checkpointing import named_units
-from ._state_dict import model_state, restore_settings, snapshot_settings
+from ._common import WRAPPED_MODULE
+from ._state_dict import load_model_state, model_state, restore_settings, snapshot_settings
 from ._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
 from .api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
@@ -43,6 +54,21 @@ class _Route:
     def __init__(self, wrapper: nn.Module) -> None:
         self.wrapper = weakref.ref(wrapper)
         self.keep_vars: Optional[bool] = None  # set while this module's call is routed
+        self.loading_prefix: Optional[str] = None  # set while a parent's load walks below the wrapper
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Route":
+        """A copied model's hooks route to *its* wrapper (copied before its modules, so in
+        ``memo``), never to the original's: a weak reference is copied as itself, which made a
+        deep copy's ``state_dict()`` the original model's. Copied without its wrapper (only
+        the wrapped module), the route leads nowhere and the module's own state dict stands."""
+        new = _Route.__new__(_Route)
+        memo[id(self)] = new
+        wrapper = self.wrapper()
+        copied = memo.get(id(wrapper)) if wrapper is not None else None
+        new.wrapper = weakref.ref(copied) if copied is not None else _nothing
+        new.keep_vars = None
+        new.loading_prefix = None
+        return new
 
     def _units(self) -> List[Unit]:
         wrapper = self.wrapper()
@@ -73,10 +99,45 @@ class _Route:
             metadata.update(getattr(full, "_metadata", {}))
 
 
-def route_state_dict(wrapper: nn.Module, module: nn.Module) -> None:
+    def load(self, state_dict: Mapping[str, Any], prefix: str, missing_keys: List[str], unexpected_keys: List[str]) -> None:
+        """The wrapper's ``_load_from_state_dict`` in a parent's load: see [Note: loading
+        through a parent]."""
+        wrapper, units = self.wrapper(), self._units()
+        if wrapper is None or not units or units[0].state_dict_route == ROUTED:
+            return  # (nested in a wrapper that loads the whole of it)
+        part: Dict[str, Any] = OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items() if k.startswith(prefix))
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            own = prefix[:-1]
+            part._metadata = OrderedDict(  # type: ignore[attr-defined]
+                ("" if k == own else k[len(prefix) :], v) for k, v in metadata.items() if k == own or k.startswith(prefix)
+            )
+        result = load_model_state(wrapper, part, strict=False)
+        missing_keys.extend(prefix + key for key in result.missing_keys)
+        unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
+        for unit in units:
+            unit.state_dict_route = ROUTED
+        self.loading_prefix = prefix
+
+    def after_load(self, wrapper: nn.Module, incompatible_keys: Any) -> None:
+        prefix, self.loading_prefix = self.loading_prefix, None
+        if prefix is None:
+            return
+        for unit in self._units():
+            unit.state_dict_route = None
+        below = prefix + WRAPPED_MODULE + "."
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if not k.startswith(below)]
+
+
+def _nothing() -> None:
+    return None
+
+
+def route_state_dict(wrapper: nn.Module, module: nn.Module) -> "_Route":
     """Make ``module``'s ``state_dict()`` (``module`` wrapped by ``wrapper``) the wrapper's
-    full state dict when called from outside the wrapper; see [Note: the wrapped module's
-    state dict].
+    full state dict when called from outside the wrapper (see [Note: the wrapped module's
+    state dict]), and let a parent's ``load_state_dict()`` load the wrapper (the returned
+    route's ``load``; see [Note: loading through a parent]).
 
     Args:
         wrapper: the ``ShardedDataParallel`` wrapping ``module``.
@@ -86,6 +147,8 @@ def route_state_dict(wrapper: nn.Module, module: nn.Module) -> None:
     # (partials: torch marks a post-hook by setting an attribute on it, which a bound method refuses)
     module.register_state_dict_pre_hook(functools.partial(_Route.before, route))
     module.register_state_dict_post_hook(functools.partial(_Route.after, route))
+    wrapper.register_load_state_dict_post_hook(functools.partial(_Route.after_load, route))
+    return route
 
 
 def skips_in_tree_walk(unit: Unit, destination: Optional[Dict[str, Any]]) -> bool:

@@ -7,8 +7,10 @@ parameter, or this rank's ``torch.chunk`` part along dim 0 as a ``DTensor``), fr
 again. So beyond the output no rank ever holds more than one unit's full parameters, and with
 ``rank0_only`` the other ranks keep nothing at all. Loading needs no gathering: a full value
 already contains this rank's range, and a ``DTensor`` is assembled (``full_tensor()``) one
-parameter at a time. LOCAL state dicts hold each handle's flat shard as it is, with a layout
-record that loading checks, since a shard only makes sense at the same world size and rank.
+parameter at a time. LOCAL state dicts hold each handle's flat shard, in FSDP1's keys and as its
+``ShardedTensor`` (see [Note: local shards as ShardedTensors] in ``_local_shards``), with a
+layout record in the dict's ``_metadata`` that loading checks, since a shard only makes sense
+at the same world size and rank.
 Before loading, the ranks check that they were given the same structure (see [Note: load
 agreement] in ``_checkpointing``).
 """
@@ -24,6 +26,8 @@ from torch import nn
 
 from ._checkpointing import agree_on_load, as_dtensor, check_idle, check_ranks_agree, full_value, is_dtensor, named_units, take_user_writes
 from ._common import HandleState, coerce_config, coerce_enum, display_name, join_name
+from ._errors import ConfigTypeError
+from ._local_shards import as_sharded_tensor, local_shard_problem, local_tensor
 from ._plain_view import plain_view
 from ._unit import Unit
 from .api import (
@@ -40,6 +44,8 @@ from .api import (
 )
 from .flat_param import FlatParamHandle
 
+# Where a LOCAL state dict's layout record is kept: an entry of its root's ``_metadata`` (FSDP1's
+# keys stay exactly its own); earlier development versions kept it under this name as a key.
 LOCAL_LAYOUT_KEY = "_flatshard_local_layout"
 
 _CONFIGS = {
@@ -69,12 +75,12 @@ def _coerce_kind(value: Any, expected: type, base: type, arg_name: str, kind: St
     for cls in candidates:
         if isinstance(value, cls) or type(value).__name__ == cls.__name__:
             if cls is not expected:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"{arg_name} must be a {expected.__name__} for StateDictType.{kind.name}; "
                     f"got {type(value).__name__}"
                 )
             return coerce_config(value, expected, arg_name)
-    raise TypeError(f"{arg_name} must be a {expected.__name__} or None; got {value!r}")
+    raise ConfigTypeError(f"{arg_name} must be a {expected.__name__} or None; got {value!r}")
 
 
 def set_settings(module: nn.Module, settings: StateDictSettings) -> StateDictSettings:
@@ -210,8 +216,25 @@ def _add_local(out: Dict[str, Any], named: Sequence[Tuple[str, Unit]], prefix: s
     for path, unit in named:
         for handle in unit.handles:
             shard = handle.flat_param if keep_vars else handle.flat_param.detach()
-            out[prefix + join_name(path, handle.attr_name)] = shard.to("cpu", copy=True) if offload else shard
-    out[prefix + LOCAL_LAYOUT_KEY] = _local_layout(named)
+            shard = shard.to("cpu", copy=True) if offload else shard
+            if handle.sharded:
+                shard = as_sharded_tensor(shard.detach(), handle.numel, handle.rank, handle.world_size, handle.comm.group)
+            out[prefix + join_name(path, handle.attr_name)] = shard
+    metadata = getattr(out, "_metadata", None)
+    if metadata is None:
+        metadata = out._metadata = OrderedDict()  # type: ignore[attr-defined]
+    metadata.setdefault(prefix[:-1], {})[LOCAL_LAYOUT_KEY] = _local_layout(named)
+
+
+def _saved_layout(state_dict: Mapping[str, Any]) -> Optional[Any]:
+    """The layout record a LOCAL state dict was saved with (``None`` if it has none: a dict
+    rebuilt by hand, e.g. a comprehension over it, loses ``_metadata``)."""
+    if LOCAL_LAYOUT_KEY in state_dict:
+        return state_dict[LOCAL_LAYOUT_KEY]
+    for entry in (getattr(state_dict, "_metadata", None) or {}).values():
+        if isinstance(entry, Mapping) and LOCAL_LAYOUT_KEY in entry:
+            return entry[LOCAL_LAYOUT_KEY]
+    return None
 
 
 def _local_layout(named: Sequence[Tuple[str, Unit]]) -> Dict[str, Any]:
@@ -306,20 +329,13 @@ def _load_local(
     with torch.no_grad():
         for key, handle in shards.items():
             if key in state_dict:
-                handle.flat_param.detach().copy_(state_dict[key])
+                handle.flat_param.detach().copy_(local_tensor(state_dict[key], handle.shard_numel))
     return result
 
 
 def _check_local(state_dict: Mapping[str, Any], shards: Mapping[str, FlatParamHandle], expected: Dict[str, Any], strict: bool, result: Any) -> None:
-    saved = state_dict.get(LOCAL_LAYOUT_KEY)
-    if saved is None:
-        if strict:
-            raise RuntimeError(
-                f"LOCAL_STATE_DICT: the state dict has no '{LOCAL_LAYOUT_KEY}' entry, so it was not made by "
-                f"state_dict() under StateDictType.LOCAL_STATE_DICT; load full or sharded state dicts under "
-                f"their own type"
-            )
-    elif saved != expected:
+    saved = _saved_layout(state_dict)
+    if saved is not None and saved != expected:
         raise RuntimeError(_layout_mismatch(saved, expected))
     for key, handle in shards.items():
         if handle.sharded and handle.state is not HandleState.SHARDED:
@@ -333,15 +349,18 @@ def _check_local(state_dict: Mapping[str, Any], shards: Mapping[str, FlatParamHa
         raise RuntimeError(f"LOCAL_STATE_DICT: missing flat shard(s): {', '.join(repr(k) for k in missing)}")
     result.missing_keys.extend(missing)
     for key, handle in shards.items():
-        value = state_dict.get(key)
-        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != (handle.shard_numel,)):
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise RuntimeError(f"LOCAL_STATE_DICT: flat shard '{key}' has {got}; this rank's shard has shape ({handle.shard_numel},)")
+        if key in state_dict:
+            problem = local_shard_problem(state_dict[key], key, handle.numel, handle.shard_numel, handle.rank, handle.world_size)
+            if problem is not None:
+                raise RuntimeError(f"LOCAL_STATE_DICT: {problem}{_LOCAL_TAIL}")
+
+
+_LOCAL_TAIL = "; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead"
 
 
 def _layout_mismatch(saved: Any, expected: Dict[str, Any]) -> str:
     head = "LOCAL_STATE_DICT holds one rank's flat shards and loads only into the same rank of the same layout"
-    tail = "; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead"
+    tail = _LOCAL_TAIL
     if not isinstance(saved, dict):
         return f"{head}: its layout record is {saved!r}{tail}"
     for field in ("world_size", "rank"):

@@ -24,6 +24,7 @@ from torch import nn
 
 from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree, raise_together, take_user_writes
 from ._common import HandleState, TrainingState, display_name, join_name
+from ._errors import UnsupportedCombinationError
 from ._plain_view import install_params
 from ._unit import Unit
 from .flat_param import FlatParamHandle
@@ -38,7 +39,7 @@ def check_summon_options(**flags: Any) -> None:
         if not isinstance(value, bool):
             raise TypeError(f"summon_full_params: {name} must be a bool; got {value!r}")
     if flags["rank0_only"] and flags["writeback"]:
-        raise ValueError(
+        raise UnsupportedCombinationError(
             "summon_full_params: rank0_only=True and writeback=True cannot be combined: only rank 0 "
             "holds the full parameters, so the other ranks' shards could not be written back "
             "(pass writeback=False)"

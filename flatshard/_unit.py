@@ -9,6 +9,7 @@ collective, that every rank built the same units.
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -19,6 +20,7 @@ import torch
 from ._buffer_pool import BufferPool
 from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from ._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
+from ._errors import DivergedRanksError
 from ._exec_order import ExecOrder
 from ._host_checks import host_check_comm
 from .api import (
@@ -297,18 +299,31 @@ def check_same_units(root: Unit) -> None:
     descriptions = [_describe(unit) for unit in root.members()]
     replicas = root.replicate_group
     if replicas is not None and not all_ranks_agree("\n".join(descriptions), replicas, root.device):
-        raise ValueError(
+        raise DivergedRanksError(
             f"[rank {root.rank}] the replicas of a hybrid-sharded model wrapped different models (every rank "
             f"must build the same units with the same parameters, shapes, dtypes and options)"
         )
     per_rank = gather_if_different(descriptions, Communicator(root.group), root.device)
     if per_rank is None:
         return
-    lines = [
-        f"  unit #{d.index}: rank 0 has {d.reference}\n             rank {d.rank} has {d.theirs}"
-        for d in differences(per_rank, "(no such unit)")
-    ]
-    raise ValueError(
+    found = differences(per_rank, "(no such unit)")
+    lines = [f"  unit #{d.index}: rank 0 has {d.reference}\n             rank {d.rank} has {d.theirs}" for d in found]
+    hint = ""
+    if all(_unnamed(d.reference) == _unnamed(d.theirs) for d in found):
+        # (e.g. ranks ignoring different modules that sit between managed ones in a Sequential)
+        hint = (
+            "\nOnly the parameters' names differ. FSDP1 accepts that; flatshard does not, because it cannot "
+            "tell it from ranks that wrapped different parameters of the same shapes, whose gradients would "
+            "then be averaged together silently, and because the ranks' state dicts would have different keys. "
+            "If the ranks ignore different modules, register them where they do not shift the managed "
+            "parameters' names (e.g. in a container of their own)"
+        )
+    raise DivergedRanksError(
         f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
-        f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines)
+        f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines) + hint
     )
+
+
+def _unnamed(description: str) -> str:
+    """A unit's description (``_describe``) without its parameters' names."""
+    return re.sub(r"[\w.]+ (?=\()", "", description.split(" (", 1)[-1])

@@ -122,6 +122,7 @@ class FlatParamHandle(HandleGrads):
         self.dtype = params[0].param.dtype
         requires_grad = params[0].param.requires_grad
         precision = precision or Precision()
+        self._precision = precision
         self.compute_dtype = precision.param_dtype or self.dtype
         self.reduce_dtype = precision.reduce_dtype or self.compute_dtype
         self.grad_dtype = self.compute_dtype if precision.keep_low_precision_grads else self.dtype
@@ -235,6 +236,50 @@ class FlatParamHandle(HandleGrads):
             self._module_views.remove()
         else:
             self.use_views(track_grad=False)
+
+    def adopt_cast(self, shard: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Make ``shard`` (this shard converted to another floating-point dtype, on the same
+        device) and ``grad`` (its gradient, converted alike) the ``FlatParameter``'s data and
+        gradient: ``model.half()`` / ``model.to(torch.float64)`` after wrapping, as FSDP1
+        allows, before the model's first forward.
+
+        [Note: casting a built unit] Pure low-precision training converts the wrapped model
+        (``model.half()``), which reaches each handle through ``ShardedDataParallel._apply``.
+        The shard is converted in place of the ``FlatParameter``'s data (the parameter objects
+        an optimizer may already hold stay), and so is everything whose dtype derives from it:
+        the compute, reduce and gradient dtypes (unless mixed precision fixed them), the full
+        flat tensor (freed, re-made in the new compute dtype), the placeholders, the original
+        parameters' views. Only before the first forward: the runtime made then holds buffers
+        and exchanges sized and typed for the old dtype. Device moves stay refused: a unit's
+        device is fixed when it is built (``device_id``)."""
+        if self.state is HandleState.GATHERING or self._reduction is not None or self._hold is not HeldGrad.NONE:
+            raise AssertionError(f"[rank {self.rank}] {self.attr_name}: cast while gathering or holding gradients")
+        self.take_user_writes()
+        precision = self._precision
+        compute = precision.param_dtype or shard.dtype
+        if (self.sharded or compute != shard.dtype or self.orig is not None) != self.separate_full:
+            raise NotImplementedError(
+                f"casting a NO_SHARD unit to {shard.dtype} after wrapping under mixed precision "
+                f"(param_dtype={precision.param_dtype}) is not supported: cast the model before wrapping"
+            )
+        if self.separate_full and self.state is HandleState.UNSHARDED:
+            self.reshard()
+        with torch.no_grad():
+            self.flat_param.data = shard
+            self.flat_param.grad = grad
+        self.dtype, self.compute_dtype = shard.dtype, compute
+        self.reduce_dtype = precision.reduce_dtype or compute
+        self.grad_dtype = compute if precision.keep_low_precision_grads else shard.dtype
+        if self.separate_full:
+            full = torch.empty(self.padded_numel, dtype=compute, device=self.device)
+            free_storage(full, BufferPool())
+            self._full = full.requires_grad_(self._full.requires_grad)
+        else:
+            self._full = self.flat_param
+        self._full_data = self._full.data
+        if self.orig is None:
+            self._placeholders = [ParamPlaceholder(i.name, i.shape, shard.dtype, self._placeholders_require_grad) for i in self.param_infos]
+        self.after_copy()  # (the modules' placeholders, parameters or views, anew)
 
     def installed_views(self) -> List[torch.Tensor]:
         """The views on the modules now (none while sharded)."""

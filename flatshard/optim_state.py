@@ -128,10 +128,13 @@ class LoadTarget:
     an optimizer built from the trainable parameters only (the usual way) never held it.
     """
 
-    def __init__(self, model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any = None) -> None:
+    def __init__(self, model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any = None, base_rates: bool = False) -> None:
         self.groups = optimizer_groups(model, optim, optim_input)
         self.optim = optim
         self.from_model = optim is None and optim_input is None
+        # Whether loaded groups without ``initial_lr`` get the optimizer's base rate
+        # (``optim_state_dict_to_load``: see [Note: initial_lr in param groups]).
+        self.base_rates = base_rates and optim is not None
 
     def has_state(self, param: torch.Tensor) -> bool:
         """Whether the optimizer keeps state for ``param`` already (some create it when built)."""
@@ -286,6 +289,23 @@ def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor],
             f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
             f"parameters): rank 0 has [{difference.reference}], rank {difference.rank} has [{difference.theirs}]"
         )
+
+
+# [Note: initial_lr in param groups] An LR scheduler records each group's base rate as
+# ``initial_lr``; one built after a resume takes it from the loaded groups, or, without one, the
+# current -- loaded, already decayed -- ``lr``, and silently restarts its schedule from there.
+# A resume that loads into a template (``optim_state_dict`` of the fresh optimizer, filled by
+# ``torch.distributed.checkpoint``) loads only the keys the template has, and a fresh optimizer
+# has no ``initial_lr`` until a scheduler is built on it. Adding the key to the templates would
+# make ``torch.distributed.checkpoint`` refuse every checkpoint saved without a scheduler
+# ("Missing key"), as torch's own state-dict functions and FSDP1 write them. So the loader
+# fills it instead: a loaded group without ``initial_lr`` whose ``lr`` differs from the live
+# group's base rate -- its ``initial_lr``, or, without a scheduler, its ``lr`` as the optimizer
+# was built: the rate the run was configured with, which the original run's scheduler recorded
+# too -- gets that base rate. (Where the rates agree a scheduler built later records the same
+# value anyway, and the loaded state stays exactly what was saved.) Only
+# ``optim_state_dict_to_load`` does this, the loader a template's contents go to; the full-dict
+# loaders give back what they were given.
 
 
 def gather_optim_state(
@@ -485,8 +505,11 @@ def _shard_of(handle: FlatParamHandle, names: Sequence[str], key: str, dtype: to
     return shard
 
 
-def _new_groups(index: OptimStateIndex, groups: Sequence[Sequence[torch.Tensor]], osd: Mapping[str, Any], group_of: Mapping[str, int]) -> List[Dict[str, Any]]:
-    """The optimizer's param groups with the saved hyperparameters and parameter IDs."""
+def _new_groups(
+    index: OptimStateIndex, groups: Sequence[Sequence[torch.Tensor]], osd: Mapping[str, Any], group_of: Mapping[str, int], live: Sequence[Mapping[str, Any]]
+) -> List[Dict[str, Any]]:
+    """The optimizer's param groups with the saved hyperparameters and parameter IDs (and, where
+    the saved ones have no ``initial_lr``, the live groups' base rate)."""
     if len(groups) != len(osd["param_groups"]):
         raise ValueError(f"the optimizer has {len(groups)} param groups but the state dict has {len(osd['param_groups'])}")
     out = []
@@ -504,10 +527,21 @@ def _new_groups(index: OptimStateIndex, groups: Sequence[Sequence[torch.Tensor]]
                         f"and {where} (e.g. '{name}'); parameters of one FlatParameter or optimizer group must share a group"
                     )
                 saved = where
-        hyper = osd["param_groups"][saved if saved is not None else number]
-        out.append({**{k: copy.deepcopy(v) for k, v in hyper.items() if k != "params"}, "params": list(range(next_id, next_id + len(group)))})
+        hyper = {k: copy.deepcopy(v) for k, v in osd["param_groups"][saved if saved is not None else number].items() if k != "params"}
+        if number < len(live) and "lr" in hyper and "initial_lr" not in hyper:  # see [Note: initial_lr in param groups]
+            base = live[number].get("initial_lr", live[number].get("lr"))
+            if base is not None and not _same_value(base, hyper["lr"]):
+                hyper["initial_lr"] = copy.deepcopy(base)
+        out.append({**hyper, "params": list(range(next_id, next_id + len(group)))})
         next_id += len(group)
     return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equality of two hyperparameters, tensors (a fused optimizer's ``lr``) included."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
 
 
 def _describe(osd: Mapping[str, Any]) -> Dict[str, Any]:
@@ -519,7 +553,8 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     after checking ``osd`` against the model."""
     groups = target.groups_for(index, osd)
     group_of = _check_names(index, osd)
-    new_groups = _new_groups(index, groups, osd, group_of)
+    live = target.optim.param_groups if target.base_rates and target.optim is not None else []
+    new_groups = _new_groups(index, groups, osd, group_of, live)
     plans = []
     for param in (p for g in groups for p in g):
         names = index.names_of(param)

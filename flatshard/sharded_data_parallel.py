@@ -32,6 +32,7 @@ from ._state_dict import (
     snapshot_settings,
 )
 from ._summon import forward_while_summoned, summon_full_params
+from ._unit import root_of
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -77,8 +78,9 @@ class ShardedDataParallel(nn.Module):
             the parameters' dtype. With a policy, BatchNorm-style modules become full-precision units.
         ignored_modules: modules whose parameters and buffers stay ordinary (not flattened,
             sharded or reduced).
-        param_init_fn: called on each module built on the meta device, unit by unit, to
-            materialise and initialise it (default: ``to_empty`` + ``reset_parameters()``).
+        param_init_fn: for a unit built (partly) on the meta device, called on every module
+            of the unit, containers included, outermost first (as in FSDP1), to materialise
+            and initialise it (default: ``to_empty`` + ``reset_parameters()``).
         device_id: the compute device (an int is a CUDA index); parameters on the CPU are
             moved there. Default: the device the parameters are on.
         sync_module_states: broadcast the first rank's parameters and buffers before
@@ -123,7 +125,7 @@ class ShardedDataParallel(nn.Module):
             options = options.for_unit({})  # the root unit's own options: planned, so without the policy
         self._unit = build_unit(module, options, owned)
         self._fsdp_wrapped_module = module
-        route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
+        self._state_dict_route = route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
         mark_fsdp_managed(self, options.use_orig_params)  # see [Note: FSDP markers]
         # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
@@ -135,7 +137,7 @@ class ShardedDataParallel(nn.Module):
         nn.Module.__init__(wrapper)
         wrapper._unit = build_unit(module, options, owned, name)
         wrapper._fsdp_wrapped_module = module
-        route_state_dict(wrapper, module)
+        wrapper._state_dict_route = route_state_dict(wrapper, module)
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
         return wrapper
 
@@ -168,6 +170,26 @@ class ShardedDataParallel(nn.Module):
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self._unit.config.sharding_strategy
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=self._unit.config.offload_params)
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """The unit's ``MixedPrecision``: ``MixedPrecision()`` (every dtype ``None``) without
+        one, and for a unit kept in full precision (BatchNorm), as in FSDP1."""
+        config = self._unit.config
+        return config.mixed_precision if config.mixed_precision is not None and not config.full_precision else MixedPrecision()
+
+    @property
+    def use_orig_params(self) -> bool:
+        return self._unit.config.use_orig_params
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """This unit's ``FlatParameter``s (FSDP1's attribute; empty if it owns no parameters)."""
+        return [handle.flat_param for handle in self._unit.handles]
 
     @property
     def backward_prefetch(self) -> Optional[BackwardPrefetch]:
@@ -249,6 +271,24 @@ class ShardedDataParallel(nn.Module):
                 f"{type(self._fsdp_wrapped_module).__name__} has no generate method"
             )
         return generate_gathered(self._unit, method, args, kwargs)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "ShardedDataParallel":  # type: ignore[override]
+        """As ``nn.Module.apply``, with this unit's full parameters summoned (and written back)
+        while ``fn`` runs on its modules, so initialisation code works after wrapping; each
+        nested unit does the same for its own modules. Collective.
+
+        Args:
+            fn: called on every module of the tree (children first), as by ``nn.Module.apply``.
+        """
+        unit = self._unit
+        if unit.training_state is not TrainingState.IDLE:
+            # (ValueError with FSDP1's words, which code written for it catches)
+            raise ValueError(
+                f"{unit.where()}: apply(fn) expected to be in states [TrainingState.IDLE] but the unit is "
+                f"in {unit.training_state}: call it outside forward, backward and summon_full_params"
+            )
+        with summon_full_params(list(self.modules()), [unit], True, False, False, False):
+            return super().apply(fn)  # type: ignore[return-value]
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
@@ -344,11 +384,12 @@ class ShardedDataParallel(nn.Module):
             raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
         return load_model_state(self, state_dict, strict)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "a ShardedDataParallel model inside a module that is not one cannot be loaded through that "
-            "module's load_state_dict(); call load_state_dict() on the ShardedDataParallel itself"
-        )
+    def _load_from_state_dict(
+        self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+        missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str],
+    ) -> None:
+        # A parent's load_state_dict() walking the tree: see [Note: loading through a parent].
+        self._state_dict_route.load(state_dict, prefix, missing_keys, unexpected_keys)
 
     @staticmethod
     @contextlib.contextmanager
@@ -376,8 +417,9 @@ class ShardedDataParallel(nn.Module):
         if not isinstance(recurse, bool):
             raise TypeError(f"summon_full_params: recurse must be a bool; got {recurse!r}")
         wrappers = ShardedDataParallel.fsdp_modules(module)
-        if not wrappers:
-            raise ValueError(f"summon_full_params: {type(module).__name__} contains no ShardedDataParallel module")
+        if not wrappers:  # (nothing to summon: a no-op, as in FSDP1)
+            yield
+            return
         if not recurse:
             inner = {id(u) for w in wrappers for _, u in w._unit.descendants}
             wrappers = [w for w in wrappers if id(w._unit) not in inner]
@@ -593,7 +635,7 @@ class ShardedDataParallel(nn.Module):
         if is_named_optimizer:
             raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
         _optim_checks(model, optim, None, group)
-        target = LoadTarget(model, optim)
+        target = LoadTarget(model, optim, base_rates=True)  # see [Note: initial_lr in param groups]
         settings = get_settings(model)
         if settings.state_dict_type is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
             # FSDP1's rank0_only load: only rank 0's dict counts (the others pass {}).
@@ -606,21 +648,29 @@ class ShardedDataParallel(nn.Module):
         return result
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
-        # .to(), .cuda(), .double(), to_empty(), ... would replace only the shards, not the
-        # full flat tensors the units gather into; refuse unless the conversion is a no-op.
+        # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);
+        # .to(device), .cuda(), to_empty() would replace only the shards, not the full flat
+        # tensors the units gather into: refused unless the conversion is a no-op.
         for handle in self._unit.handles:
             before = handle.flat_param.detach()
             after = fn(before)
-            if after is not before:
-                change = f"{before.device}/{before.dtype} -> {after.device}/{after.dtype}"
+            if after is before:
+                continue
+            change = f"{before.device}/{before.dtype} -> {after.device}/{after.dtype}"
+            if not _is_cast(before, after):
                 raise NotImplementedError(
-                    f"moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is "
-                    f"built ({change}) is not supported: convert the model before wrapping, or pass "
-                    f"device_id (a param_init_fn must not recurse into submodules: use "
-                    f"module.to_empty(device=..., recurse=False))"
+                    f"moving or re-allocating (to_empty) a ShardedDataParallel unit after it is built ({change}) "
+                    f"is not supported: move the model before wrapping, or pass device_id (a param_init_fn must "
+                    f"not recurse into submodules: use module.to_empty(device=..., recurse=False))"
                 )
+            if any(member.ctx is not None for member in root_of(self._unit).members()):
+                raise NotImplementedError(
+                    f"casting a ShardedDataParallel model ({change}) after its first forward is not supported: "
+                    f"cast it right after wrapping, before it runs"
+                )
+            grad = handle.flat_param.grad
+            handle.adopt_cast(after, None if grad is None else fn(grad))
         return super()._apply(fn, recurse)  # type: ignore[call-arg]
-
 
     # -- display ------------------------------------------------------------------------------
 
@@ -638,6 +688,14 @@ class ShardedDataParallel(nn.Module):
     def __repr__(self) -> str:
         inner = repr(self._fsdp_wrapped_module).replace("\n", "\n  ")
         return f"{type(self).__name__}({self.extra_repr()}\n  (module): {inner}\n)"
+
+
+def _is_cast(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after`` is ``before`` converted to another floating-point dtype, in place."""
+    return (
+        after.device == before.device and after.shape == before.shape and after.dtype != before.dtype
+        and after.dtype.is_floating_point and before.dtype.is_floating_point
+    )
 
 
 def _check_group(model: nn.Module, group: Optional[ProcessGroup]) -> None:

@@ -4,6 +4,7 @@ Truth is ``torch.nn.utils.clip_grad_norm_`` on the single-process model (``build
 backward on the global batch: the wrapped model's gradients are that model's gradients."""
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -163,15 +164,19 @@ def _train_clipped(rank, world_size, strategy_name, norm_type):
 
 
 def _no_gradients(rank, world_size):
-    """Before any backward, and after zero_grad(set_to_none): torch's 0 norm, nothing created."""
+    """Before any backward, and after zero_grad(set_to_none): torch's 0 norm, nothing created,
+    and FSDP1's warning (a clip without gradients is usually a mistake)."""
     model = _wrap("plain", "FULL_SHARD", "nested")
-    first = _clip(model, 1.0)
-    _train(model, world_size, 1, 1, rank)  # lazy init, a step
-    model.zero_grad(set_to_none=True)
-    second = _clip(model, 1.0, INF)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _clip(model, 1.0)
+        _train(model, world_size, 1, 1, rank)  # lazy init, a step
+        model.zero_grad(set_to_none=True)
+        second = _clip(model, 1.0, INF)
     if any(p.grad is not None for p in model.parameters()):
         raise AssertionError("a gradient was created")
-    return [(t.item(), t.dtype) for t in (first, second)]
+    said = [str(w.message) for w in caught if "no gradients" in str(w.message)]
+    return [(t.item(), t.dtype) for t in (first, second)] + said
 
 
 def _twice(rank, world_size):
@@ -206,8 +211,9 @@ class TrainingTest(TestCase):
         self.pool.run(_train_clipped, 2, "NO_SHARD", INF)
 
     def test_without_gradients_the_norm_is_zero(self):
-        for result in self.pool.run(_no_gradients, 2):
-            self.assertEqual(result, [(0.0, torch.float32), (0.0, torch.float32)])
+        for rank, result in enumerate(self.pool.run(_no_gradients, 2)):
+            said = f"clip_grad_norm_() was called on rank {rank} with no gradients -- returning the total norm in the default dtype torch.float32"
+            self.assertEqual(result, [(0.0, torch.float32), (0.0, torch.float32), said, said])
 
     def test_clipping_twice(self):
         first, second = self.pool.run(_twice, 2)[0]
@@ -289,7 +295,7 @@ clip_grad_norm_: norm_type must be positive (e.g. 2.0) or inf; got nan""",
         for rank, out in enumerate(self.pool.run(_wrong_time, 2)):
             text = "\n".join(f"{key}: {value}" for key, value in out.items()).replace(f"[rank {rank}]", "[rank R]")
             self.assertExpectedInline(text, """\
-nested: [rank R] unit 'blocks.1': clip_grad_norm_() must be called on the root ShardedDataParallel (the outermost one), which holds every gradient of the model, not on a nested unit
+nested: [rank R] unit 'blocks.1': clip_grad_norm_() should only be called on the root FSDP instance (the outermost ShardedDataParallel), which holds every gradient of the model, not on a nested unit
 summon: [rank R] unit the root module: clip_grad_norm_() cannot be used inside summon_full_params (the unit's full parameters are already summoned)
 forward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in FORWARD (during forward or backward); call it between iterations
 backward: [rank R] unit the root module: clip_grad_norm_() cannot be used while the unit is in BACKWARD_PRE (during forward or backward); call it between iterations

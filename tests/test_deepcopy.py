@@ -42,10 +42,11 @@ def _value(loss: torch.Tensor, rank: Optional[int]) -> float:
     return loss.item() if rank is None else global_mean(loss)
 
 
-def _ema_run(rank: Optional[int], world_size: int, **options: Any) -> Tuple[List[float], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+def _ema_run(rank: Optional[int], world_size: int, **options: Any) -> Tuple[List[float], Dict[str, torch.Tensor], Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """Training with an EMA copy made after the first step (the model then holds gradients,
     and a metrics forward with autograd on left units gathered): the EMA is updated after each
-    step and evaluated; returns (EMA losses, EMA parameters, model parameters)."""
+    step and evaluated; returns (EMA losses, EMA parameters, model parameters, the EMA's
+    state_dict())."""
     model: nn.Module = build() if rank is None else wrap(build(), "nested", **options)
     optim = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     _loss(model, 0, rank, world_size).backward()
@@ -63,8 +64,14 @@ def _ema_run(rank: Optional[int], world_size: int, **options: Any) -> Tuple[List
         with torch.no_grad():
             losses.append(_value(_loss(ema, step + 10, rank, world_size), rank))
     if rank is None:
-        return losses, _plain_params(ema.module), _plain_params(model)
-    return losses, full_params(ema.module), full_params(model)
+        return losses, _plain_params(ema.module), _plain_params(model), dict(ema.module.state_dict())
+    # The copy's state dicts are its own, also through its wrapped module (routed to the
+    # copied wrapper, never the original's).
+    routed = ema.module.module.state_dict()
+    states = ema.module.state_dict()
+    if sorted(routed) != sorted(states) or any(not torch.equal(routed[k], states[k]) for k in states):
+        raise AssertionError("the copy's wrapped module's state_dict() differs from the copy's")
+    return losses, full_params(ema.module), full_params(model), dict(states)
 
 
 def _ema_parity(rank: int, world_size: int, shared_memory: str, **options: Any) -> bool:
@@ -74,6 +81,7 @@ def _ema_parity(rank: int, world_size: int, shared_memory: str, **options: Any) 
     torch.testing.assert_close(torch.tensor(actual[0]), torch.tensor(expected[0]), rtol=RTOL, atol=ATOL)
     _assert_same(actual[1], expected[1], "EMA")
     _assert_same(actual[2], expected[2], "model")
+    _assert_same(actual[3], expected[3], "EMA state_dict()")
     return True
 
 

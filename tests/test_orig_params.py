@@ -4,7 +4,6 @@ single-process training of the unwrapped model on the global batch."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -18,7 +17,6 @@ from flatshard import (
     CPUOffload,
     CustomPolicy,
     MixedPrecision,
-    ModuleWrapPolicy,
     ShardedDataParallel,
     ShardingStrategy,
     StateDictType,
@@ -344,12 +342,10 @@ def test_local_state_dict_and_summoned_gradients(rank_pool):
 
 
 def _errors(rank: int, world_size: int) -> List[str]:
-    low = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
     override = CustomPolicy(lambda m: {"use_orig_params": False} if isinstance(m, Block) else False)
     model = build()
     model.blocks[0] = ShardedDataParallel(model.blocks[0])
     return [
-        error_text(lambda: ShardedDataParallel(build(), mixed_precision=low, use_orig_params=True), NotImplementedError),
         error_text(lambda: ShardedDataParallel(build(), auto_wrap_policy=override, use_orig_params=True), ValueError),
         error_text(lambda: ShardedDataParallel(model, use_orig_params=True), ValueError),
     ]
@@ -361,7 +357,6 @@ class OrigParamsErrorTest(TestCase):
         self.assertExpectedInline(
             "\n".join(messages),
             """\
-mixed_precision=MixedPrecision(keep_low_precision_grads=True) with use_orig_params=True is not supported
 the auto-wrap policy cannot override 'use_orig_params' for one unit (module 'blocks.0' (Block))
 use_orig_params must be the same for every unit of a model: the unit at 'blocks.0' was built with use_orig_params=False, the unit wrapping it with use_orig_params=True""",
         )

@@ -349,10 +349,17 @@ def _root_checks_on_one_rank(rank, world_size):
 
 
 def _conversions(rank, world_size):
+    """No-op conversions pass, casts pass before the first forward (see test_fsdp1_conformance);
+    re-allocating, moving, and casting after the first forward are refused."""
     model = wrap(build(), "nested")
     model.to("cpu").float()  # changes nothing: allowed
     outcome = []
-    for convert in (lambda m: m.double(), lambda m: m.to(torch.float16)):
+
+    def after_forward(m):
+        m(local(batch(0, world_size)[0], rank))
+        m.double()
+
+    for convert in (lambda m: m.to_empty(device="cpu"), lambda m: m.to("meta"), after_forward):
         try:
             convert(model)
             outcome.append("no error")
@@ -366,13 +373,14 @@ class ConveniencesTest(TestCase):
         results = self.pool.run(_root_checks_on_one_rank, 2, timeout=60)
         self.assertEqual(results, [(True, False), None])
 
-    def test_moving_or_casting_after_wrapping_raises(self):
+    def test_moving_or_reallocating_after_wrapping_raises(self):
         (outcome,) = self.pool.run(_conversions, 1)
         self.assertExpectedInline(
             "\n".join(outcome),
             """\
-moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float64) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
-moving, casting or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float16) is not supported: convert the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))""",
+moving or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> cpu/torch.float32) is not supported: move the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
+moving or re-allocating (to_empty) a ShardedDataParallel unit after it is built (cpu/torch.float32 -> meta/torch.float32) is not supported: move the model before wrapping, or pass device_id (a param_init_fn must not recurse into submodules: use module.to_empty(device=..., recurse=False))
+casting a ShardedDataParallel model (cpu/torch.float32 -> cpu/torch.float64) after its first forward is not supported: cast it right after wrapping, before it runs""",
         )
 
 

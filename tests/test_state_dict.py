@@ -45,6 +45,12 @@ def _perturb_buffer(model, seed):
 
 def _same(a, b):
     """Bit-exact equality of two state-dict values."""
+    if hasattr(a, "local_shards"):  # (torch.equal on ShardedTensors needs an accelerator)
+        shards_a, shards_b = a.local_shards(), b.local_shards()
+        return (
+            type(a) is type(b) and a.metadata() == b.metadata() and len(shards_a) == len(shards_b)
+            and all(x.metadata == y.metadata and torch.equal(x.tensor, y.tensor) for x, y in zip(shards_a, shards_b))
+        )
     if hasattr(a, "to_local"):
         return type(a) is type(b) and a.placements == b.placements and a.shape == b.shape and torch.equal(a.to_local(), b.to_local())
     if isinstance(a, torch.Tensor):
@@ -253,8 +259,10 @@ def _settings_and_errors(rank, world_size):
     result = model.load_state_dict({**missing, "extra": torch.zeros(1)}, strict=False)
     out["non_strict"] = (result.missing_keys, result.unexpected_keys)
     expect(lambda: model.load_state_dict({**full, "blocks.0.fc1.weight": torch.zeros(16, 3), "head.weight": torch.zeros(2)}))
-    outer = nn.Sequential(model)
-    expect(lambda: outer.load_state_dict({"0." + k: v for k, v in full.items()}))
+    outer = nn.Sequential(model)  # (loading through a plain parent: torch's key reports, prefixed)
+    result = outer.load_state_dict({**{"0." + k: v for k, v in missing.items()}, "0.extra": torch.zeros(1)}, strict=False)
+    out["outer_non_strict"] = (result.missing_keys, result.unexpected_keys)
+    expect(lambda: outer.load_state_dict({"0." + k: v for k, v in missing.items()}))
     out["outer_keys"] = list(outer.state_dict())[:2]
     with ShardedDataParallel.summon_full_params(model):
         expect(lambda: model.state_dict())
@@ -263,20 +271,23 @@ def _settings_and_errors(rank, world_size):
 
 
 def _local_mismatch(rank, world_size, directory):
+    """Loading a LOCAL state dict anywhere but where it was saved is refused: by torch when
+    it unpickles another rank's ShardedTensors, by the layout record, and -- in a dict
+    rebuilt by hand, which has lost the record -- by what the values say."""
     model = _model("nested")
     with ShardedDataParallel.state_dict_type(model, LOCAL):
         mine = model.state_dict()
         torch.save(mine, os.path.join(directory, f"local-{world_size}-{rank}"))
         dist.barrier()
-        errors = []
-        if world_size == 2:  # another rank's shards
-            other = torch.load(os.path.join(directory, f"local-2-{1 - rank}"), weights_only=False)
-            sources = [other, {k: v for k, v in mine.items() if k != "_flatshard_local_layout"}]
+        if world_size == 2:  # another rank's shards; a unit's shard under another unit's key
+            swapped = {**mine, "_flat_param": mine["blocks.0._flat_param"]}
+            sources = [lambda: torch.load(os.path.join(directory, f"local-2-{1 - rank}"), weights_only=False), lambda: swapped]
         else:  # saved at world size 2, loaded at 1
-            sources = [torch.load(os.path.join(directory, "local-2-0"), weights_only=False)]
+            sources = [lambda: torch.load(os.path.join(directory, "local-2-0"), weights_only=False)]
+        errors = []
         for source in sources:
             try:
-                model.load_state_dict(source)
+                model.load_state_dict(source())
                 errors.append("no error")
             except RuntimeError as exc:
                 errors.append(str(exc))
@@ -365,9 +376,9 @@ class ResumeTest(TestCase):
         self.assertExpectedInline(
             "\n".join(two[0] + one[0]),
             """\
-LOCAL_STATE_DICT holds one rank's flat shards and loads only into the same rank of the same layout: it was saved with rank=1, but this is rank=0; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead
-LOCAL_STATE_DICT: the state dict has no '_flatshard_local_layout' entry, so it was not made by state_dict() under StateDictType.LOCAL_STATE_DICT; load full or sharded state dicts under their own type
-LOCAL_STATE_DICT holds one rank's flat shards and loads only into the same rank of the same layout: it was saved with world_size=2, but this is world_size=1; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead""",
+Local rank at save time was 1, but at load time was 0
+LOCAL_STATE_DICT: flat shard '_flat_param' is part of a flat parameter of 296 elements; this one has 120; to change the world size, save and load a SHARDED_STATE_DICT (or FULL_STATE_DICT) instead
+Local world size at save time was 2, but at load time was 1""",
         )
 
 
@@ -478,11 +489,12 @@ class SettingsAndErrorsTest(TestCase):
         self.assertEqual((out["inside"], out["restored"]), ("LOCAL_STATE_DICT", "SHARDED_STATE_DICT"))
         self.assertEqual(out["non_strict"], (["pos", "blocks.1.fc1.weight"], ["extra"]))
         self.assertEqual(out["outer_keys"], ["0.pos", "0.embed.weight"])
+        self.assertEqual(out["outer_non_strict"], (["0.pos", "0.blocks.1.fc1.weight"], ["0.extra"]))
         self.assertExpectedInline(
             "\n".join(out["errors"]),
             """\
-TypeError: state_dict_config must be a FullStateDictConfig for StateDictType.FULL_STATE_DICT; got ShardedStateDictConfig
-TypeError: optim_state_dict_config must be a ShardedOptimStateDictConfig for StateDictType.SHARDED_STATE_DICT; got ShardedStateDictConfig
+ConfigTypeError: state_dict_config must be a FullStateDictConfig for StateDictType.FULL_STATE_DICT; got ShardedStateDictConfig
+ConfigTypeError: optim_state_dict_config must be a ShardedOptimStateDictConfig for StateDictType.SHARDED_STATE_DICT; got ShardedStateDictConfig
 TypeError: state_dict_type must be one of StateDictType.FULL_STATE_DICT, StateDictType.LOCAL_STATE_DICT, StateDictType.SHARDED_STATE_DICT; got 'full'
 ValueError: the ShardedDataParallel units under ShardedDataParallel have different state-dict settings: the root module has StateDictSettings(state_dict_type=<StateDictType.SHARDED_STATE_DICT: 3>, state_dict_config=ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=False), optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True, _use_dtensor=False)), 'blocks.0' has StateDictSettings(state_dict_type=<StateDictType.LOCAL_STATE_DICT: 2>, state_dict_config=LocalStateDictConfig(offload_to_cpu=False), optim_state_dict_config=LocalOptimStateDictConfig(offload_to_cpu=False)); use set_state_dict_type on the whole model
 ValueError: get_state_dict_type: Linear contains no ShardedDataParallel module
@@ -494,8 +506,9 @@ RuntimeError: Error(s) in loading state_dict for TinyLM:
 RuntimeError: Error(s) in loading state_dict for TinyLM:
 	size mismatch for blocks.0.fc1.weight: copying a param with shape torch.Size([16, 3]) from checkpoint, the shape in current model is torch.Size([16, 8]).
 	size mismatch for head.weight: copying a param with shape torch.Size([2]) from checkpoint, the shape in current model is torch.Size([13, 8]).
-NotImplementedError: a ShardedDataParallel model inside a module that is not one cannot be loaded through that module's load_state_dict(); call load_state_dict() on the ShardedDataParallel itself
-RuntimeError: [rank 0] unit the root module: state_dict() cannot be used inside summon_full_params (the unit's full parameters are already summoned)""",
+RuntimeError: Error(s) in loading state_dict for Sequential:
+	Missing key(s) in state_dict: "0.pos", "0.blocks.1.fc1.weight". 
+WrongStateError: [rank 0] unit the root module: state_dict() cannot be used inside summon_full_params (the unit's full parameters are already summoned)""",
         )
 
     def test_ranks_loading_different_state_dicts_fail_together(self):

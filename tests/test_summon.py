@@ -453,7 +453,7 @@ def _errors(rank, world_size):
     messages = {}
     if rank == 1:
         messages["rank0_only_writeback"] = _message(lambda: _enter(model, rank0_only=True), ValueError)
-        messages["no_wrapper"] = _message(lambda: _enter(nn.Linear(2, 2)), ValueError)
+        _enter(nn.Linear(2, 2))  # (no units under it: a no-op, as in FSDP1)
         for flag, value in (("recurse", 1), ("writeback", None), ("rank0_only", "yes"), ("offload_to_cpu", 0), ("with_grads", 1.0)):
             messages[flag] = _message(lambda: _enter(model, **{flag: value}), TypeError)
         _assert_idle(model, "after the errors")
@@ -478,7 +478,6 @@ class ErrorsTest(TestCase):
             "\n".join(f"{key}: {text}" for key, text in messages.items()),
             """\
 rank0_only_writeback: summon_full_params: rank0_only=True and writeback=True cannot be combined: only rank 0 holds the full parameters, so the other ranks' shards could not be written back (pass writeback=False)
-no_wrapper: summon_full_params: Linear contains no ShardedDataParallel module
 recurse: summon_full_params: recurse must be a bool; got 1
 writeback: summon_full_params: writeback must be a bool; got None
 rank0_only: summon_full_params: rank0_only must be a bool; got 'yes'
