@@ -76,7 +76,7 @@ def _coerce_kind(value: Any, expected: type, base: type, arg_name: str, kind: St
         if isinstance(value, cls) or type(value).__name__ == cls.__name__:
             if cls is not expected:
                 raise ConfigTypeError(
-                    f"{arg_name} must be a {expected.__name__} for StateDictType.{kind.name}; "
+                    f"Expected {arg_name} of type {expected.__name__} for StateDictType.{kind.name}; "
                     f"got {type(value).__name__}"
                 )
             return coerce_config(value, expected, arg_name)

@@ -40,7 +40,7 @@ def check_summon_options(**flags: Any) -> None:
             raise TypeError(f"summon_full_params: {name} must be a bool; got {value!r}")
     if flags["rank0_only"] and flags["writeback"]:
         raise UnsupportedCombinationError(
-            "summon_full_params: rank0_only=True and writeback=True cannot be combined: only rank 0 "
+            "summon_full_params: rank0_only=True with writeback=True is not supported: only rank 0 "
             "holds the full parameters, so the other ranks' shards could not be written back "
             "(pass writeback=False)"
         )

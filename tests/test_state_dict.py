@@ -493,8 +493,8 @@ class SettingsAndErrorsTest(TestCase):
         self.assertExpectedInline(
             "\n".join(out["errors"]),
             """\
-ConfigTypeError: state_dict_config must be a FullStateDictConfig for StateDictType.FULL_STATE_DICT; got ShardedStateDictConfig
-ConfigTypeError: optim_state_dict_config must be a ShardedOptimStateDictConfig for StateDictType.SHARDED_STATE_DICT; got ShardedStateDictConfig
+ConfigTypeError: Expected state_dict_config of type FullStateDictConfig for StateDictType.FULL_STATE_DICT; got ShardedStateDictConfig
+ConfigTypeError: Expected optim_state_dict_config of type ShardedOptimStateDictConfig for StateDictType.SHARDED_STATE_DICT; got ShardedStateDictConfig
 TypeError: state_dict_type must be one of StateDictType.FULL_STATE_DICT, StateDictType.LOCAL_STATE_DICT, StateDictType.SHARDED_STATE_DICT; got 'full'
 ValueError: the ShardedDataParallel units under ShardedDataParallel have different state-dict settings: the root module has StateDictSettings(state_dict_type=<StateDictType.SHARDED_STATE_DICT: 3>, state_dict_config=ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=False), optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=True, _use_dtensor=False)), 'blocks.0' has StateDictSettings(state_dict_type=<StateDictType.LOCAL_STATE_DICT: 2>, state_dict_config=LocalStateDictConfig(offload_to_cpu=False), optim_state_dict_config=LocalOptimStateDictConfig(offload_to_cpu=False)); use set_state_dict_type on the whole model
 ValueError: get_state_dict_type: Linear contains no ShardedDataParallel module

@@ -477,7 +477,7 @@ class ErrorsTest(TestCase):
         self.assertExpectedInline(
             "\n".join(f"{key}: {text}" for key, text in messages.items()),
             """\
-rank0_only_writeback: summon_full_params: rank0_only=True and writeback=True cannot be combined: only rank 0 holds the full parameters, so the other ranks' shards could not be written back (pass writeback=False)
+rank0_only_writeback: summon_full_params: rank0_only=True with writeback=True is not supported: only rank 0 holds the full parameters, so the other ranks' shards could not be written back (pass writeback=False)
 recurse: summon_full_params: recurse must be a bool; got 1
 writeback: summon_full_params: writeback must be a bool; got None
 rank0_only: summon_full_params: rank0_only must be a bool; got 'yes'
