@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ._checkpointing import check_grads_averaged, check_idle, take_user_writes
+from ._layout import held_numel
 from ._unit import BackwardState, Unit
 from .flat_param import FlatParamHandle
 
@@ -128,8 +129,7 @@ def _gradients(units: List[Unit], module: nn.Module) -> Tuple[_Grads, _Grads]:
             continue
         if handle.comm.group is not group:
             raise NotImplementedError(f"{_WHAT} with units sharded over different process groups is not supported")
-        held = max(0, min(handle.shard_numel, handle.numel - handle.rank * handle.shard_numel))
-        sharded.append((grad, grad.reshape(-1)[:held]))
+        sharded.append((grad, grad.reshape(-1)[: held_numel(handle.numel, handle.shard_numel, handle.rank)]))
     return sharded, whole
 
 

@@ -64,13 +64,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _sched_yield: Optional[Callable[[], None]] = getattr(os, "sched_yield", None)  # (not on Windows)
 
-# What a two-rank swap is part of (a shared-memory channel's records say which).
 # What any object using a (weakly held) group says once that group was destroyed.
 GROUP_DESTROYED = (
     "the process group was destroyed (destroy_process_group); flatshard holds groups weakly, "
     "so this object cannot communicate any more"
 )
 
+# What a two-rank swap is part of (a shared-memory channel's records say which).
 SWAP_GATHER = 1
 SWAP_REDUCE = 2
 

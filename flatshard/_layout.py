@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["OrigParam", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "shard_sizes", "shard_param_infos", "layout", "flatten"]
+__all__ = ["OrigParam", "ParamInfo", "SharedParamInfo", "ShardParamInfo", "shard_sizes", "held_numel", "shard_param_infos", "layout", "flatten"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,12 @@ def shard_sizes(numel: int, world_size: int, sharded: bool) -> Tuple[int, int]:
         return numel, numel
     padded = math.ceil(numel / world_size) * world_size
     return padded, padded // world_size
+
+
+def held_numel(numel: int, shard_numel: int, rank: int) -> int:
+    """How many elements of a flat tensor of ``numel`` elements ``rank``'s shard of
+    ``shard_numel`` holds (the rest of the shard is padding)."""
+    return max(0, min(shard_numel, numel - rank * shard_numel))
 
 
 def shard_param_infos(infos: Sequence[ParamInfo], shard_numel: int, rank: int) -> Tuple[ShardParamInfo, ...]:

@@ -17,12 +17,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from ._layout import held_numel
+
 __all__ = ["as_sharded_tensor", "assemble", "described_shape", "is_sharded_tensor", "local_shard_problem", "local_tensor"]
-
-
-def _part(numel: int, shard_numel: int, rank: int) -> int:
-    """How many real (not padding) elements ``rank``'s shard holds."""
-    return max(0, min(shard_numel, numel - rank * shard_numel))
 
 
 def as_sharded_tensor(shard: torch.Tensor, numel: int, rank: int, world_size: int, group: Any) -> Any:
@@ -35,15 +32,15 @@ def as_sharded_tensor(shard: torch.Tensor, numel: int, rank: int, world_size: in
     shard_numel = shard.numel()
     device = shard.device
     shards: List[ShardMetadata] = [
-        ShardMetadata(shard_offsets=[r * shard_numel], shard_sizes=[_part(numel, shard_numel, r)], placement=f"rank:{r}/{device}")
+        ShardMetadata(shard_offsets=[r * shard_numel], shard_sizes=[held_numel(numel, shard_numel, r)], placement=f"rank:{r}/{device}")
         for r in range(world_size)
-        if _part(numel, shard_numel, r) > 0
+        if held_numel(numel, shard_numel, r) > 0
     ]
     properties = TensorProperties(
         dtype=shard.dtype, layout=shard.layout, requires_grad=shard.requires_grad, memory_format=torch.contiguous_format, pin_memory=False
     )
     metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([numel]), tensor_properties=properties)
-    mine = _part(numel, shard_numel, rank)
+    mine = held_numel(numel, shard_numel, rank)
     local = [Shard.from_tensor_and_offsets(shard[:mine], [rank * shard_numel], rank)] if mine else []
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
 
@@ -66,11 +63,11 @@ def local_shard_problem(value: Any, key: str, numel: int, shard_numel: int, rank
     if tuple(saved.size) != (numel,):
         return f"flat shard '{key}' is part of a flat parameter of {'x'.join(map(str, saved.size))} elements; this one has {numel}"
     placed = sorted(m.placement.rank() for m in saved.shards_metadata)
-    expected = [r for r in range(world_size) if _part(numel, shard_numel, r) > 0]
+    expected = [r for r in range(world_size) if held_numel(numel, shard_numel, r) > 0]
     if placed != expected:
         return f"flat shard '{key}' was saved by ranks {placed}; at this world size ({world_size}) its parts are on ranks {expected}"
     shards = value.local_shards()
-    mine = _part(numel, shard_numel, rank)
+    mine = held_numel(numel, shard_numel, rank)
     offsets = [s.metadata.shard_offsets[0] for s in shards]
     if offsets != ([rank * shard_numel] if mine else []):
         return f"flat shard '{key}' holds the part at offsets {offsets}; this rank's part is at [{rank * shard_numel}]"

@@ -132,9 +132,9 @@ class LoadTarget:
         self.groups = optimizer_groups(model, optim, optim_input)
         self.optim = optim
         self.from_model = optim is None and optim_input is None
-        # Whether loaded groups without ``initial_lr`` get the optimizer's base rate
-        # (``optim_state_dict_to_load``: see [Note: initial_lr in param groups]).
-        self.base_rates = base_rates and optim is not None
+        # The param groups whose base rates loaded groups without ``initial_lr`` get
+        # (``optim_state_dict_to_load``: see [Note: initial_lr in param groups]); else none.
+        self.base_groups: List[Dict[str, Any]] = optim.param_groups if base_rates and optim is not None else []
 
     def has_state(self, param: torch.Tensor) -> bool:
         """Whether the optimizer keeps state for ``param`` already (some create it when built)."""
@@ -553,8 +553,7 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     after checking ``osd`` against the model."""
     groups = target.groups_for(index, osd)
     group_of = _check_names(index, osd)
-    live = target.optim.param_groups if target.base_rates and target.optim is not None else []
-    new_groups = _new_groups(index, groups, osd, group_of, live)
+    new_groups = _new_groups(index, groups, osd, group_of, target.base_groups)
     plans = []
     for param in (p for g in groups for p in g):
         names = index.names_of(param)

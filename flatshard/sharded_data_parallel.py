@@ -287,7 +287,7 @@ class ShardedDataParallel(nn.Module):
                 f"{unit.where()}: apply(fn) expected to be in states [TrainingState.IDLE] but the unit is "
                 f"in {unit.training_state}: call it outside forward, backward and summon_full_params"
             )
-        with summon_full_params(list(self.modules()), [unit], True, False, False, False):
+        with summon_full_params(list(self.modules()), [unit], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
             return super().apply(fn)  # type: ignore[return-value]
 
     def check_is_root(self) -> bool:
@@ -651,6 +651,7 @@ class ShardedDataParallel(nn.Module):
         # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);
         # .to(device), .cuda(), to_empty() would replace only the shards, not the full flat
         # tensors the units gather into: refused unless the conversion is a no-op.
+        ran = any(member.ctx is not None for member in root_of(self._unit).members())
         for handle in self._unit.handles:
             before = handle.flat_param.detach()
             after = fn(before)
@@ -663,7 +664,7 @@ class ShardedDataParallel(nn.Module):
                     f"is not supported: move the model before wrapping, or pass device_id (a param_init_fn must "
                     f"not recurse into submodules: use module.to_empty(device=..., recurse=False))"
                 )
-            if any(member.ctx is not None for member in root_of(self._unit).members()):
+            if ran:
                 raise NotImplementedError(
                     f"casting a ShardedDataParallel model ({change}) after its first forward is not supported: "
                     f"cast it right after wrapping, before it runs"

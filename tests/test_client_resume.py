@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests._models import full_params
+
 DIM = 8
 
 
@@ -88,13 +90,6 @@ def _steps(model: nn.Module, optim: torch.optim.Optimizer, scheduler: Any, rank:
         scheduler.step()
 
 
-def _full(model: nn.Module) -> List[torch.Tensor]:
-    from flatshard import ShardedDataParallel
-
-    with ShardedDataParallel.summon_full_params(model):
-        return [p.detach().clone() for p in model.parameters()]
-
-
 def _resume_flow(rank: int, world_size: int, use_orig_params: bool, compiled: bool, loader: str, path: str) -> List[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
@@ -108,7 +103,7 @@ def _resume_flow(rank: int, world_size: int, use_orig_params: bool, compiled: bo
     with ShardedDataParallel.state_dict_type(raw, sharded):
         dcp.save({"model_state": model.state_dict(), "optimizer_state": ShardedDataParallel.optim_state_dict(model, optim)}, checkpoint_id=path)
     _steps(model, optim, scheduler, rank, world_size, 2, 4)
-    expected = _full(raw)
+    expected = full_params(raw)
 
     group = dist.new_group(list(range(world_size)))  # the resume runs in a fresh process group
     raw, model, optim = _build(use_orig_params, compiled, group)
@@ -127,10 +122,10 @@ def _resume_flow(rank: int, world_size: int, use_orig_params: bool, compiled: bo
         optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, osd))
     scheduler = _schedule(optim, 2)  # built after loading, offset by the resumed step (as fms does)
     _steps(model, optim, scheduler, rank, world_size, 2, 4)
-    got = _full(raw)
-    for index, (a, b) in enumerate(zip(got, expected)):
-        if not torch.equal(a, b):
-            raise AssertionError(f"parameter {index} differs from the uninterrupted run by {(a - b).abs().max().item()}")
+    got = full_params(raw)
+    for name, value in expected.items():
+        if not torch.equal(got[name], value):
+            raise AssertionError(f"{name} differs from the uninterrupted run by {(got[name] - value).abs().max().item()}")
     return [group["lr"] for group in optim.param_groups]
 
 
