@@ -45,10 +45,13 @@ def describe_holders(target: Any, skip_files: List[str], limit: int = 3) -> List
 
 
 def _running_frames() -> List[types.FrameType]:
+    """Every thread's running frames but this function's own (a list holding it would make it
+    a reference cycle: [Note: frames in locals] in ``_stale_optimizer``)."""
     frames = []
     for frame in list(sys._current_frames().values()):
         while frame is not None:
-            frames.append(frame)
+            if frame.f_code is not _running_frames.__code__:
+                frames.append(frame)
             frame = frame.f_back
     return frames
 

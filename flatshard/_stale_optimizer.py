@@ -245,14 +245,27 @@ def _remove_when_safe(handle: RemovableHandle) -> None:
 
 
 def _in_optimizer_code() -> bool:
-    """Whether any thread is running code of ``torch.optim.optimizer`` (e.g. a step's hook loop)."""
-    for frame in sys._current_frames().values():
-        current: Optional[Any] = frame
-        while current is not None:
-            if current.f_code.co_filename == _OPTIMIZER_SOURCE:
-                return True
-            current = current.f_back
-    return False
+    """Whether any thread is running code of ``torch.optim.optimizer`` (e.g. a step's hook loop).
+
+    [Note: frames in locals] ``sys._current_frames()`` includes this function's own frame, so a
+    local bound to it makes the frame refer to itself: a reference cycle. When the function
+    returns, that frame, and every frame above it on the stack (each returning one takes over
+    its locals), stays alive until the garbage collector runs. This runs inside garbage
+    collections (a model's finalizer), and those can start anywhere, e.g. inside a forward:
+    the cycle then held the forward's activations, whose autograd graph holds the runtime's
+    hooks, and a model dropped later needed two collections to go (the flaky
+    ``FreedModelsTest``). So every local that may hold a frame is cleared before returning."""
+    frames: Optional[Dict[int, Any]] = sys._current_frames()
+    current: Optional[Any] = None
+    try:
+        for current in frames.values():
+            while current is not None:
+                if current.f_code.co_filename == _OPTIMIZER_SOURCE:
+                    return True
+                current = current.f_back
+        return False
+    finally:
+        frames = current = None
 
 
 class _Retry:

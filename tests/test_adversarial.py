@@ -1094,8 +1094,40 @@ def _why_alive(refs: List[Any]) -> str:
     return f"{held}; after 0.5 s: {[ref() is not None for ref in refs]}"
 
 
+def _freed_after_a_collection_inside_its_forward(rank: int, world_size: int, strategy: str) -> List[Any]:
+    """The flake's cause, made certain: a garbage collection that starts inside a forward and
+    collects another dropped model runs that model's finalizer there (it removes the model's
+    optimizer hook, see [Note: frames in locals] in ``_stale_optimizer``). Nothing of it may
+    keep the forward's frames, and with them its autograd graph, alive."""
+    import gc
+    import weakref
+
+    model = wrap(build(), "nested", sharding_strategy=ShardingStrategy[strategy])
+    optim = make_optim(model.parameters())
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    optim.zero_grad()
+    lm_loss(model(tokens), targets).backward()
+    optim.step()
+    other = wrap(build(), "nested")
+    del other  # (garbage: a model is a reference cycle)
+    inner = ShardedDataParallel.fsdp_modules(model)[1]
+    hook = inner.register_forward_hook(lambda *_: (gc.collect(), None)[1])
+    lm_loss(model(tokens), targets)  # a forward whose backward never runs
+    hook.remove()
+    refs = [weakref.ref(model)] + [weakref.ref(h.flat_param) for h in ShardedDataParallel.fsdp_modules(model)[0].handles]
+    del model, optim, inner, hook
+    gc.collect()
+    alive = [ref() is not None for ref in refs]
+    return [alive, _why_alive(refs) if any(alive) else ""]
+
+
 class FreedModelsTest(TestCase):
     def test_a_dropped_model_is_freed(self) -> None:
         for strategy in STRATEGIES:
             with self.subTest(strategy=strategy):
                 self.assertEqual(self.pool.run(_freed_after_training, 2, strategy)[0], [[False, False], ""])
+
+    def test_one_collection_frees_it_after_a_collection_ran_inside_its_forward(self) -> None:
+        for strategy in STRATEGIES:
+            with self.subTest(strategy=strategy):
+                self.assertEqual(self.pool.run(_freed_after_a_collection_inside_its_forward, 2, strategy)[0], [[False, False], ""])

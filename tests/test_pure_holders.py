@@ -77,3 +77,24 @@ def test_an_attribute_a_local_variable_and_a_closure_are_named():
 
 def test_nothing_found_says_so():
     assert describe_holders(Target(), [__file__]) == [UNSEEN]
+
+
+def test_looking_leaves_no_reference_cycle_behind():
+    # (a frame kept in a list it is in is a cycle that keeps every caller's locals -- the
+    # group looked for among them -- alive until the next garbage collection)
+    import gc
+    import weakref
+
+    def look() -> "weakref.ref[Target]":
+        target = Target()
+        describe_holders(target, [])
+        return weakref.ref(target)
+
+    gc.collect()
+    gc.disable()
+    try:
+        gone = look()
+        assert gone() is None
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
