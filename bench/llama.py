@@ -38,6 +38,8 @@ class LlamaConfig:
 CONFIGS: Dict[str, LlamaConfig] = {
     # about 1.1B parameters: Llama-3.2-1B's shape with a 32k vocabulary
     "1b": LlamaConfig(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=32000),
+    # about 6.7B parameters: Llama-2-7B's shape
+    "7b": LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "tiny": LlamaConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256),
     # 1b's structure (16 layers) at tiny size: its step time on CPU is mostly per-unit overhead
     "overhead": LlamaConfig(dim=64, layers=16, heads=4, kv_heads=2, ffn=128, vocab=256),
@@ -125,3 +127,21 @@ class Llama(nn.Module):
 
 def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# For ``python -m flatshard.plan llama:llama_1b --measure --input llama:tokens --loss llama:lm_loss``
+# (with ``PYTHONPATH=bench``): the shapes of ``bench/scale_memory.py``, one batch of 64 tokens.
+def llama_1b() -> Llama:
+    return Llama(CONFIGS["1b"])
+
+
+def llama_7b() -> Llama:
+    return Llama(CONFIGS["7b"])
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 32000, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+def lm_loss(logits: torch.Tensor) -> torch.Tensor:
+    return loss_of(logits, tokens())

@@ -7,7 +7,7 @@ For flatshard (default configuration) each rank trains the benchmark model for t
 reports, in MiB: the bytes of its parameter shards, of their gradients and of the AdamW state
 (counted from the tensors themselves after a step), the most full flat tensors it held gathered
 at any moment of the second step (sampled after every aten op by a dispatch mode, so it is
-exact at op granularity) and the idle memory its buffer pool held at the end. The expectation is
+exact at op granularity). The expectation is
 parameters + gradients + optimizer state = 4 × total / N (AdamW: parameter, gradient and
 two moments; plus padding) and gathered at most the
 prefetch limit of full units (the unit computing and the one prefetched, plus the root, which
@@ -37,21 +37,17 @@ MIB = 2**20
 
 
 class _GatheredPeak(TorchDispatchMode):
-    """After every aten op: the bytes of all full flat tensors currently allocated, alone
-    and with the idle memory of the buffer pool."""
+    """After every aten op: the bytes of all full flat tensors currently allocated."""
 
-    def __init__(self, handles: List[Any], pool: Any) -> None:
+    def __init__(self, handles: List[Any]) -> None:
         super().__init__()
         self.handles = handles
-        self.pool = pool
         self.peak = 0
-        self.peak_with_idle = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         gathered = sum(h.full_storage_bytes() for h in self.handles)
         self.peak = max(self.peak, gathered)
-        self.peak_with_idle = max(self.peak_with_idle, gathered + self.pool.held_bytes)
         return out
 
 
@@ -69,15 +65,14 @@ def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], out: str) 
     one_step = bench.training_step(model, optim, cfg, rank)
 
     one_step()
-    tracker = _GatheredPeak(handles, model._unit.ctx.buffers)  # (the pool exists after a forward)
+    tracker = _GatheredPeak(handles)
     with tracker:
         one_step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    idle = model._unit.ctx.buffers.held_bytes
     arena = sum(c.capacity for c in bench.shared_memory_channels(model) if c.state.name == "READY")
-    row = torch.tensor([params, grads, state, tracker.peak, tracker.peak_with_idle, idle, arena], dtype=torch.float64)
+    row = torch.tensor([params, grads, state, tracker.peak, arena], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if rank == 0:
         torch.save({"total": total, "largest": largest, "row": row.tolist()}, out)
@@ -97,21 +92,20 @@ def main() -> None:
     print(f"shape {args.shape}: {cfg}")
     print(
         "| world size | params | grads | AdamW state | sum | 4 × total / N | gathered at most (in largest units) "
-        "| gathered + idle pool at most | idle pool after the step | shared-memory arena (in largest units) |"
+        "| shared-memory arena (in largest units) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for world in [int(w) for w in args.world_sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             out = f"{tmp}/out.pt"
             mp.spawn(_rank, args=(world, f"{tmp}/init", cfg, out), nprocs=world)
             res = torch.load(out)
-        params, grads, state, gathered, with_idle, idle, arena = res["row"]
+        params, grads, state, gathered, arena = res["row"]
         total, largest = res["total"], res["largest"]
         held = params + grads + state
         print(
             f"| {world} | {params / MIB:.1f} | {grads / MIB:.1f} | {state / MIB:.1f} | {held / MIB:.1f} | "
             f"{4 * total / world / MIB:.1f} | {gathered / MIB:.1f} MiB ({gathered / largest:.2f}) | "
-            f"{with_idle / MIB:.1f} MiB ({with_idle / largest:.2f}) | {idle / MIB:.1f} | "
             f"{arena / MIB:.1f} MiB ({arena / largest:.2f}) |"
         )
 

@@ -44,8 +44,6 @@ MEASURED: List[Tuple[str, str, str]] = [
 ] + [
     ("flatshard._handle_grads", "HandleGrads", name) for name in ("reduce_grad", "finish_reduction")
 ] + [
-    ("flatshard._handle_grads", "SplitWithPooledGrad", "forward"),
-    ("flatshard._handle_grads", "SplitWithPooledGrad", "backward"),
     ("flatshard._collectives", "Communicator", "all_gather"),
     ("flatshard._collectives", "Communicator", "reduce_scatter_mean"),
     ("flatshard._collectives", "Pending", "wait"),

@@ -46,46 +46,27 @@ class AgreementChecks:
         for comm in self.check_comms:
             problem = mismatch(comm.gather_ints(value, check_device(comm, self.root.device)), [_label(u) for u in self.units])
             if problem is not None:
-                raise RuntimeError(
-                    f"[rank {comm.rank}] the ranks ran different units (every rank must run the same "
-                    f"units in the same order, e.g. no data-dependent skipping): {problem}"
-                )
+                raise RuntimeError(f"[rank {comm.rank}] the ranks ran different units ({_RULE}): {problem}")
 
     def _check_forward_order(self, order: List[Unit]) -> None:
-        """The one check every root forward makes: did all ranks run the same units in order?"""
+        """The one check every root forward makes: did all ranks run the same units in order,
+        after the same number of optimizer steps? See [Note: order check]."""
         names = [_label(u) for u in order]
-        steps = f"optimizer steps: {self.optimizer_steps}"  # see [Note: steps agree]
+        digest = fingerprint("\n".join(names + [f"optimizer steps: {self.optimizer_steps}"]))
         for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(names + [steps])), check_device(comm, self.root.device))
-            problem = mismatch(values, [_label(u) for u in self.units])
-            if problem is None:
+            if self._agree(comm, digest):
                 continue
-            if all(v >= token(END_OF_BACKWARD + 1) for v in values):  # all at the end of a forward
-                everyone = all_gather_object((names, self.optimizer_steps), comm.group)
-                if all(n == names for n, _ in everyone):
-                    counts = "; ".join(f"rank {r}: {c}" for r, (_, c) in enumerate(everyone))
-                    raise RuntimeError(
-                        f"[rank {comm.rank}] the ranks called optimizer.step() on this model a different number of "
-                        f"times before this forward ({counts}): a rank that steps alone, or skips a step the "
-                        f"others take, trains a different model from then on (every rank must step together)"
-                    )
-                ran_lists = [n for n, _ in everyone]
-                first = min(d.index for d in differences(ran_lists, "nothing"))  # where any rank differs
-                ran = "; ".join(f"rank {r} ran {item_at(o, first, 'nothing')}" for r, o in enumerate(ran_lists))
-                problem = f"unit #{first} of this forward differs: {ran}"
-            raise RuntimeError(
-                f"[rank {comm.rank}] the ranks ran different units (every rank must run the same units "
-                f"in the same order, e.g. no data-dependent skipping): {problem}"
-            )
+            everyone = all_gather_object((_FORWARD, names, self.optimizer_steps), comm.group)
+            raise RuntimeError(f"[rank {comm.rank}] {_forward_difference(everyone)}")
 
     def _check_backward_agrees(self) -> None:
         """[Note: backward agreement] Ranks whose backward passes reach different units (one
         rank leaves a unit's output, or a side loss, out of its loss) would issue different
         gathers and reductions, which hang or pair the wrong tensors. So when a backward first
-        reaches one of the root's units, the ranks compare, with one small all-gather, which
-        handles will receive a gradient in this backward (autograd knows which gradient
-        accumulators its graph task will run); if they differ, every rank raises the same
-        error before any collective of the backward."""
+        reaches one of the root's units, the ranks compare a digest of which handles will
+        receive a gradient in this backward (autograd knows which gradient accumulators its
+        graph task will run); if they differ, every rank raises the same error before any
+        collective of the backward."""
         if not self.check_comms:
             return
         reached = [
@@ -95,19 +76,66 @@ class AgreementChecks:
             if _will_accumulate(h)
         ]
         for comm in self.check_comms:
-            values = comm.gather_ints(fingerprint("\n".join(reached)), check_device(comm, self.root.device))
-            if len(set(values)) == 1:
+            if self._agree(comm, fingerprint("\n".join(reached))):
                 continue
-            everyone = all_gather_object(reached, comm.group)
-            union = sorted(set().union(*everyone))
-            lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(everyone)]
-            raise RuntimeError(
-                f"[rank {comm.rank}] the ranks' backward passes differ: they reach different units' parameters, so "
-                f"their gradient reductions cannot be matched (every rank's loss must use the same units and "
-                f"outputs, e.g. no auxiliary loss left out on some ranks). Units without a gradient on each rank: "
-                + "; ".join(lines)
-            )
+            everyone = all_gather_object((_BACKWARD, reached), comm.group)
+            raise RuntimeError(f"[rank {comm.rank}] {_backward_difference(everyone)}")
 
+    def _agree(self, comm: Any, digest: int) -> bool:
+        """Whether every rank of ``comm`` passed ``digest``. While every collective is checked
+        (``checking``), through the same one-integer all-gather as those checks, which a rank at
+        another check then pairs with (and is named by); else ``Communicator.agree``, whose cost
+        does not grow with the world size."""
+        device = check_device(comm, self.root.device)
+        if not self.checking:
+            return bool(comm.agree(digest, device))
+        values = comm.gather_ints(digest, device)
+        if all(v == values[0] for v in values):
+            return True
+        if any(v < token(END_OF_BACKWARD + 1) for v in values):  # some rank is at a per-collective check
+            problem = mismatch(values, [_label(u) for u in self.units])
+            raise RuntimeError(f"[rank {comm.rank}] the ranks ran different units ({_RULE}): {problem}")
+        return False
+
+
+# What the ranks exchange to explain a failed check: its kind first (a rank at another check
+# than ours shows up with another kind), then what the check compared.
+_FORWARD, _BACKWARD = "at the end of its forward", "at the start of its backward"
+_RULE = "every rank must run the same units in the same order, e.g. no data-dependent skipping"
+
+
+def _mixed_checks(everyone: List[Any]) -> str:
+    """The ranks' positions, where they were not all at the same kind of check."""
+    return "; ".join(f"rank {r} is {entry[0]}" for r, entry in enumerate(everyone))
+
+
+def _forward_difference(everyone: List[Any]) -> str:
+    if any(entry[0] != _FORWARD for entry in everyone):
+        return f"the ranks ran different units ({_RULE}): {_mixed_checks(everyone)}"
+    ran_lists = [names for _, names, _ in everyone]
+    if all(names == ran_lists[0] for names in ran_lists):  # see [Note: steps agree]
+        counts = "; ".join(f"rank {r}: {steps}" for r, (_, _, steps) in enumerate(everyone))
+        return (
+            f"the ranks called optimizer.step() on this model a different number of times before this "
+            f"forward ({counts}): a rank that steps alone, or skips a step the others take, trains a "
+            f"different model from then on (every rank must step together)"
+        )
+    first = min(d.index for d in differences(ran_lists, "nothing"))  # where any rank differs
+    ran = "; ".join(f"rank {r} ran {item_at(names, first, 'nothing')}" for r, names in enumerate(ran_lists))
+    return f"the ranks ran different units ({_RULE}): unit #{first} of this forward differs: {ran}"
+
+
+def _backward_difference(everyone: List[Any]) -> str:
+    if any(entry[0] != _BACKWARD for entry in everyone):
+        return f"the ranks ran different units ({_RULE}): {_mixed_checks(everyone)}"
+    per_rank = [reached for _, reached in everyone]
+    union = sorted(set().union(*per_rank))
+    lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(per_rank)]
+    return (
+        "the ranks' backward passes differ: they reach different units' parameters, so their gradient "
+        "reductions cannot be matched (every rank's loss must use the same units and outputs, e.g. no "
+        "auxiliary loss left out on some ranks). Units without a gradient on each rank: " + "; ".join(lines)
+    )
 
 
 def _label(unit: Unit) -> str:

@@ -125,8 +125,7 @@ def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[Bas
     entries = _describe_entries(state_dict)
     if unit.world_size > 1:
         digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
-        everyone = unit.comm.gather_ints(digest, unit.device)
-        if len(set(everyone)) > 1:
+        if not unit.comm.agree(digest, unit.device):
             reports = all_gather_object((None if error is None else str(error), entries), unit.group)
             _raise_disagreement(unit.rank, reports, error, what)
     if error is not None:

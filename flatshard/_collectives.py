@@ -56,8 +56,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._buffer_pool import BufferPool
-
 ProcessGroup = dist.ProcessGroup
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,6 +103,22 @@ def global_rank() -> int:
 def default_store() -> Any:
     """The default process group's store (every rank of the job reaches it)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def exchanges_no_data(group: ProcessGroup) -> bool:
+    """Whether ``group`` is torch's fake process group.
+
+    [Note: the fake process group] ``torch.testing._internal.distributed.fake_pg`` runs one
+    process as rank r of N: collectives return at once and leave their outputs as they were.
+    flatshard runs on it for memory and scale measurements (``flatshard.plan(measure=True)``,
+    the scale tests). Its own exchanges fill their outputs with this rank's contribution
+    before the collective, so on the fake group every rank is taken to have sent what this
+    one did: the ranks' agreement checks agree, and metadata exchanges see uniform ranks, as
+    in an SPMD job. What needs data only another rank has (an object broadcast from the first
+    rank: a rank0-only optimizer state dict, ``broadcast_from_rank0``) raises there instead
+    of going on with this rank's own values. Parameter values gathered on it are undefined.
+    """
+    return "fake" in backend_of(group).lower()
 
 
 def backend_of(group: ProcessGroup) -> str:
@@ -212,6 +226,8 @@ class Communicator:
         must be of the same); ``None``: gloo again."""
         self.channel = channel
         self.channel_label = label
+        if channel is not None:
+            channel.name(label)
 
     def observe(self, observer: Optional[Callable[[CollectiveEvent], None]]) -> None:
         """Call ``observer`` with a ``CollectiveEvent`` for each collective issued from now on
@@ -276,33 +292,32 @@ class Communicator:
         sizes[1 - self.rank] = sent.numel()
         return dist.all_to_all_single(received, sent, sizes, sizes, group=self.group, async_op=True)
 
-    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False, buffers: Optional[BufferPool] = None) -> Pending:
-        """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks (scratch
-        memory, if any is needed, from ``buffers``)."""
-        return self._reduce_scatter(output, full, self.world_size, async_op, buffers)
+    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Pending:
+        """Set ``output`` to this rank's chunk of the mean of ``full`` over the ranks."""
+        return self._reduce_scatter(output, full, self.world_size, async_op)
 
     def reduce_scatter_sum(self, output: torch.Tensor, full: torch.Tensor) -> None:
         """Set ``output`` to this rank's chunk of the sum of ``full`` over the ranks."""
         self._reduce_scatter(output, full, 1, async_op=False)
 
-    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool, buffers: Optional[BufferPool] = None) -> Pending:
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, divisor: int, async_op: bool) -> Pending:
         world = self.world_size
         if world == 1:
             output.copy_(full)
             return Pending(None)
         sent = full.numel() * full.element_size() // world * (world - 1)  # every chunk but ours
         if self._pairwise(full, output):
-            return _maybe_wait(self._reduce_with_peer(output, full, divisor, buffers, sent), async_op)
+            return _maybe_wait(self._reduce_with_peer(output, full, divisor, sent), async_op)
         self._note("reduce_scatter", "all_to_all_single" if self.gloo else _reduce_scatter_flat.__name__, sent)
         if self.gloo:
-            received = _scratch(buffers, full)
+            received = torch.empty_like(full)
             work = dist.all_to_all_single(received, full, group=self.group, async_op=True)
             # chunk r of what arrives: what rank r holds of our part
-            return _maybe_wait(self._pending(work, _summing(output, received.chunk(world), divisor, buffers, received)), async_op)
+            return _maybe_wait(self._pending(work, _summing(output, received.chunk(world), divisor)), async_op)
         work = _reduce_scatter_flat(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _maybe_wait(self._pending(work, _dividing(output, divisor)), async_op)
 
-    def _reduce_with_peer(self, output: torch.Tensor, full: torch.Tensor, divisor: int, buffers: Optional[BufferPool], sent: int) -> Pending:
+    def _reduce_with_peer(self, output: torch.Tensor, full: torch.Tensor, divisor: int, sent: int) -> Pending:
         """Two ranks swap the chunk the peer keeps for the one we keep ([Note: pair exchange]),
         through the shared-memory channel where it takes it. Detached: under
         ``backward(create_graph=True)`` the gradient requires grad while the reduced shard is
@@ -314,9 +329,9 @@ class Communicator:
             exchange = self.channel.exchange(SWAP_REDUCE, theirs, lambda peer: torch.add(ours, peer, out=output), self.channel_label)
             return Pending(exchange, _dividing(output, divisor))
         self._note("reduce_scatter", "all_to_all_single", sent)
-        received = _scratch(buffers, ours)
+        received = torch.empty_like(ours)
         work = self._swap_with_peer(received, theirs)
-        return self._pending(work, _summing(output, (ours, received), divisor, buffers, received))
+        return self._pending(work, _summing(output, (ours, received), divisor))
 
     def all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> Pending:
         """Replace ``tensor`` by its mean over the ranks, in place."""
@@ -343,22 +358,33 @@ class Communicator:
             self._note("broadcast", "broadcast", tensor.numel() * tensor.element_size() if self.rank == 0 else 0)
             self._pending(dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)).wait()
 
+    def agree(self, value: int, device: torch.device) -> bool:
+        """Whether every rank passed the same ``value`` (a 63-bit integer, e.g. a
+        ``fingerprint``). Collective; its cost does not grow with the world size: two ranks
+        swap their values (through the pair exchange), more take the maximum of ``value``
+        and of ``-value`` in one all-reduce of two integers, which are each other's negation
+        exactly when the smallest value equals the largest."""
+        if self.world_size == 1:
+            return True
+        if self.world_size == 2:
+            first, second = self.gather_ints(value, device)
+            return first == second
+        both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        self._note("all_reduce", "all_reduce", self._ring_bytes(both), True)
+        self._pending(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)).wait()
+        largest, negated_smallest = both.tolist()
+        return largest == -negated_smallest
+
     def gather_ints(self, value: int, device: torch.device) -> List[int]:
         """Every rank's ``value`` (one small synchronous all-gather)."""
         if self.world_size == 1:
             return [value]
         mine = torch.tensor([value], dtype=torch.int64, device=device)
-        everyone = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        # (filled with ours: what a process group that exchanges no data, torch's fake one,
+        # leaves there -- see [Note: the fake process group])
+        everyone = torch.full((self.world_size,), value, dtype=torch.int64, device=device)
         self.all_gather(everyone, mine, check=True)
         return [int(v) for v in everyone.tolist()]
-
-
-def _scratch(buffers: Optional[BufferPool], like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor shaped like 1-D ``like``, from ``buffers`` when given (to be
-    given back once used)."""
-    if buffers is None:
-        return torch.empty_like(like)
-    return buffers.new(like.numel(), like.dtype, like.device)
 
 
 def _dividing(output: torch.Tensor, divisor: int) -> Optional[Callable[[], None]]:
@@ -366,17 +392,15 @@ def _dividing(output: torch.Tensor, divisor: int) -> Optional[Callable[[], None]
     return (lambda: output.div_(divisor)) if divisor != 1 else None
 
 
-def _summing(output: torch.Tensor, parts: Sequence[torch.Tensor], divisor: int, buffers: Optional[BufferPool], received: torch.Tensor) -> Callable[[], None]:
+def _summing(output: torch.Tensor, parts: Sequence[torch.Tensor], divisor: int) -> Callable[[], None]:
     """The finishing step of a reduce-scatter over gloo: ``output`` = the sum of ``parts`` in
-    rank order (divided by ``divisor``); then the receive buffer goes back to ``buffers``."""
+    rank order (divided by ``divisor``)."""
     def finish() -> None:
         torch.add(parts[0], parts[1], out=output)
         for part in parts[2:]:
             output.add_(part)
         if divisor != 1:
             output.div_(divisor)
-        if buffers is not None:
-            buffers.give(received)
 
     return finish
 
@@ -459,9 +483,8 @@ def fingerprint(text: str) -> int:
 
 
 def all_ranks_agree(text: str, group: ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank passed the same ``text``: one all-gather of one integer per rank."""
-    values = Communicator(group).gather_ints(fingerprint(text), device)
-    return all(v == values[0] for v in values)
+    """Whether every rank passed the same ``text`` (``Communicator.agree`` of its digest)."""
+    return Communicator(group).agree(fingerprint(text), device)
 
 
 def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
@@ -470,6 +493,12 @@ def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
     if size_of(group) == 1:
         return obj
     comm = Communicator(group)
+    if comm.rank != 0 and exchanges_no_data(group):
+        raise RuntimeError(
+            f"[rank {comm.rank}] this step needs data that only the group's first rank has (an object it "
+            f"broadcasts), and torch's fake process group exchanges no data: it runs one process as one "
+            f"rank of {comm.world_size}. Measure this step on rank 0, or on a real process group"
+        )
     device = object_device(group)
     payload = _to_bytes(obj, device) if comm.rank == 0 else torch.empty(0, dtype=torch.uint8, device=device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
@@ -519,12 +548,9 @@ def differences(per_rank: Sequence[Sequence[Any]], past_end: Any) -> List[RankDi
 
 
 def gather_if_different(items: List[str], comm: Communicator, device: torch.device) -> Optional[List[List[str]]]:
-    """``None`` if every rank passed the same ``items`` (one small all-gather of a digest);
-    else every rank's ``items``, in rank order (a second, object all-gather)."""
-    if comm.world_size == 1:
-        return None
-    everyone = comm.gather_ints(fingerprint("\n".join(items)), device)
-    if len(set(everyone)) == 1:
+    """``None`` if every rank passed the same ``items`` (``Communicator.agree`` of a digest);
+    else every rank's ``items``, in rank order (an object all-gather)."""
+    if comm.agree(fingerprint("\n".join(items)), device):
         return None
     return all_gather_object(list(items), comm.group)
 
@@ -555,7 +581,7 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     sizes = comm.gather_ints(payload.numel(), device)
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: payload.numel()].copy_(payload)
-    everyone = torch.empty(comm.world_size * max(sizes), dtype=torch.uint8, device=device)
+    everyone = padded.repeat(comm.world_size)  # (see [Note: the fake process group])
     comm.all_gather(everyone, padded)
     return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
 

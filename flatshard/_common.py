@@ -12,7 +12,6 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 
 import torch
 
-from ._buffer_pool import BufferPool
 
 # Attribute names. They match torch FSDP1's so that tools which strip FSDP1's prefixes from
 # parameter names (e.g. torch.distributed.checkpoint helpers) strip ours too.
@@ -88,20 +87,18 @@ def rank_prefix(rank: int, unit_name: str) -> str:
     return f"[rank {rank}] unit {display_name(unit_name)}"
 
 
-def alloc_storage(tensor: torch.Tensor, numel: int, pool: BufferPool) -> None:
-    """Give ``tensor`` (which must start at offset 0) storage for ``numel`` elements again
-    (idle memory from ``pool`` if it has some, see [Note: buffer pool])."""
+def alloc_storage(tensor: torch.Tensor, numel: int) -> None:
+    """Give ``tensor`` (which must start at offset 0) storage for ``numel`` elements again."""
     storage = tensor.untyped_storage()
     nbytes = numel * tensor.element_size()
     if storage.size() != nbytes:
         if storage.size() != 0:
             raise AssertionError(f"expected freed storage, found {storage.size()} bytes")
-        pool.fill(tensor, nbytes)
+        storage.resize_(nbytes)
 
 
-def free_storage(tensor: torch.Tensor, pool: BufferPool) -> None:
-    """Release ``tensor``'s storage while keeping the tensor (and its views) alive (its
-    memory goes to ``pool`` if that has room).
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s storage while keeping the tensor (and its views) alive.
 
     [Note: storage freeing] Autograd saves views of the full flat parameter for backward.
     Resizing the storage to zero bytes frees the memory but keeps those views pointing at the
@@ -114,7 +111,7 @@ def free_storage(tensor: torch.Tensor, pool: BufferPool) -> None:
         raise AssertionError(f"can only free a tensor that starts its storage; offset {tensor.storage_offset()}")
     storage = tensor.untyped_storage()
     if storage.size() != 0:
-        pool.empty(tensor)
+        storage.resize_(0)
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

@@ -24,7 +24,6 @@ class ExecOrder(Generic[_U]):
         self._post_forward: List[_U] = []
         self._post_forward_index: Dict[_U, int] = {}
         self._this_forward: List[_U] = []  # every pre-forward of the current root forward
-        self._first_sequence: List[_U] = []  # every pre-forward of the first root forward
 
     def record_pre_forward(self, unit: _U) -> None:
         self._this_forward.append(unit)
@@ -46,14 +45,7 @@ class ExecOrder(Generic[_U]):
 
     def freeze_forward_order(self) -> None:
         """Called when the root's first forward ends."""
-        if not self._forward_frozen:
-            self._first_sequence = list(self._this_forward)
         self._forward_frozen = True
-
-    def same_as_first(self) -> bool:
-        """Whether the current root forward ran its units exactly as the first one did
-        (repeated units included)."""
-        return self._this_forward == self._first_sequence
 
     def record_post_forward(self, unit: _U) -> None:
         if unit not in self._post_forward_index:
@@ -85,14 +77,23 @@ class ExecOrder(Generic[_U]):
 
 
 # [Note: order check] Ranks must issue the same collectives in the same order; if one rank
-# runs a different unit (data-dependent control flow), gloo aborts the process on the size
-# mismatch, or pairs the wrong units silently when their sizes match, or waits forever. So:
-# while ``checking`` (the first iteration, and an iteration whose forward order changed),
-# every collective of a unit is preceded by one small all-gather of a token naming it, and
-# every backward ends with one; and every root forward ends with one all-gather of a hash of
-# the order its units ran in. Tokens and hashes are single integers, so mismatched checks
-# still pair up: every rank sees every rank's value and raises the same error, naming what
-# each rank was doing. Tokens below 2**40 name a unit; anything above is a forward's hash.
+# runs a different unit (data-dependent control flow), the collectives pair the wrong units
+# silently when their sizes match, make gloo abort the process when they do not (torch's
+# gloo enforces message sizes with an abort), or wait forever. Every root forward therefore
+# ends with one check that all ranks ran the same units in the same order (a digest of the
+# order and of the optimizer steps taken, compared by ``Communicator.agree``: one collective
+# whose cost does not grow with the world size), and every backward starts with one that
+# the same units will receive gradients ([Note: backward agreement] in ``_agreement``); only
+# when a digest differs do the ranks exchange their lists, to name the first unit that
+# differs. Ranks that built different units never get this far: the root's first forward
+# compares the units themselves (``check_same_units``). Under
+# ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (and while ranks generate without ``synced_gpus``) the
+# runtime is ``checking``: every collective of a unit is then preceded by one small
+# all-gather of a token naming it, every backward ends with one, and the per-iteration
+# checks gather the ranks' digests the same way, so mismatched checks still pair up: every
+# rank sees every rank's value and raises the same error, naming what each rank was doing
+# before any mismatched collective can abort or hang. Tokens below 2**40 name a unit;
+# anything above is a digest.
 
 GATHER, REDUCE, END_OF_BACKWARD = 1, 2, 3
 _KIND_SCALE = 1 << 32

@@ -15,12 +15,11 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ._buffer_pool import BufferPool
 from ._collectives import Communicator, Pending
 from ._common import guard_transition
 from ._orig_params import OrigParams, stand_in
 
-__all__ = ["HandleGrads", "HeldGrad", "SplitWithPooledGrad", "to_host"]
+__all__ = ["HandleGrads", "HeldGrad", "to_host"]
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,7 +37,6 @@ class HandleGrads:
     orig: Optional[OrigParams]
     comm: Communicator
     replicate: Optional[Communicator]
-    pool: BufferPool
     rank: int
     world_size: int
     sharded: bool
@@ -152,7 +150,7 @@ class HandleGrads:
         if hook is not None:
             hook[0](hook[1], grad, shard_grad)
             return Pending(None), shard_grad
-        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True, buffers=self.pool), shard_grad
+        return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True), shard_grad
 
     def _grad_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.flat_param.device
@@ -168,11 +166,6 @@ class HandleGrads:
 
     def _accumulate(self, reduction: "_Reduction") -> None:
         reduction.pending.wait()
-        if self.sharded and self._comm_hook is None and not reduction.full.requires_grad:
-            # Nothing else can see the full gradient (autograd gave it up to reduce_grad; no
-            # user hook saw it; it is not part of a create_graph graph): its memory can serve
-            # the next gather or reduction buffer.
-            self.pool.give(reduction.full)
         shard_grad = reduction.reduced
         if self.replicate is not None and self.replicate.world_size > 1:
             self.replicate.all_reduce_mean(shard_grad)
@@ -400,8 +393,7 @@ class _Reduction:
 
     The full gradient must stay alive and unchanged until ``pending.wait()`` has returned, not
     only until the collective completes: with two ranks on gloo the finishing step reads this
-    rank's own chunk from it ([Note: pair exchange]). So it goes back to the pool only after
-    the wait, and a drained (abandoned) reduction never returns it."""
+    rank's own chunk from it ([Note: pair exchange]). The reduction holds it until then."""
 
     pending: Pending
     reduced: torch.Tensor
@@ -411,40 +403,3 @@ class _Reduction:
     def is_placeholder(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the untouched placeholder."""
         return self.placeholder is not None and grad is self.placeholder[0] and grad._version == self.placeholder[1]
-
-
-class SplitWithPooledGrad(torch.autograd.Function):
-    """``full.split(sizes)`` whose backward assembles the full gradient in pooled memory.
-
-    [Note: pooled full gradients] The backward of a split concatenates the pieces' gradients
-    into a new tensor as large as the unit -- on the CPU, megabytes of freshly faulted pages
-    per unit and backward. Here the concatenation writes into memory from the root's
-    ``BufferPool`` instead (the full gradient of the unit reduced before, or a freed gather),
-    which autograd then takes over as the full tensor's ``.grad`` without copying. A backward
-    that builds a graph (``create_graph=True``) gets the plain, differentiable concatenation.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, sizes: List[int], pool: BufferPool) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.sizes = sizes
-        ctx.numel = full.numel()
-        ctx.pool = pool
-        ctx.set_materialize_grads(False)
-        return full.split(sizes)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        like = next((g for g in grads if g is not None), None)
-        if like is None:
-            return None, None, None
-        # (the pieces, and so their gradients, are 1-D)
-        if torch.is_grad_enabled():
-            pieces = [g if g is not None else like.new_zeros(n) for g, n in zip(grads, ctx.sizes)]
-            return torch.cat(pieces), None, None
-        out = ctx.pool.new(ctx.numel, like.dtype, like.device)
-        for piece, grad in zip(out.split(ctx.sizes), grads):
-            if grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(grad)
-        return out, None, None

@@ -56,7 +56,16 @@ _FORWARD = TrainingState.FORWARD
 _BACKWARD_PRE = TrainingState.BACKWARD_PRE
 _BACKWARD_POST = TrainingState.BACKWARD_POST
 
-# How many gradient reductions may be in flight at once (each holds a full gradient).
+# [Note: reductions in flight] A unit's gradient reduction is issued in its post-backward and
+# completed as soon as the backward is about to allocate memory: when the next unit's backward
+# begins (``begin_backward``, before that unit gathers or prefetches) and just before any unit
+# assembles its full gradient (a hook on the node that concatenates the views' gradients --
+# e.g. the root's own gradient after its last block's). The collective runs while autograd
+# moves on, and its full gradient is gone before anything else is allocated. Holding it longer
+# (while later units compute) overlapped more on gloo, but every reduction in flight keeps a
+# unit-sized full gradient: measured on the fake process group, the 1B model's backward peak
+# per rank was 14% above FSDP1's with two in flight (bench/RESULTS.md). At most this many are in
+# flight at once (units whose backwards end back to back).
 MAX_REDUCTIONS_IN_FLIGHT = 2
 # How many units a prefetch may gather ahead of their use under limit_all_gathers.
 MAX_PREFETCHED = 2
@@ -237,6 +246,13 @@ def _post_accumulate(runtime_ref: "weakref.ref[RootRuntime]", unit_ref: "weakref
         runtime.post_backward(unit, handle)
 
 
+def _before_full_grad(runtime_ref: "weakref.ref[RootRuntime]", grads: Any) -> None:
+    # (on an autograd node, out of the garbage collector's sight: holds the runtime weakly)
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.finish_reductions()  # (see [Note: reductions in flight])
+
+
 def _label(unit: Unit) -> str:
     return display_name(unit.name)
 
@@ -264,6 +280,7 @@ class RootRuntime(AgreementChecks, RootContext):
         self.on_inputs_done = outside_graph(self.inputs_done)
         self.on_backward_end = outside_graph(self.finalize_backward)
         self.on_accumulated = outside_graph(_post_accumulate)
+        self.on_full_grad = outside_graph(functools.partial(_before_full_grad, weakref.ref(self)))
 
     # -- tracing (tests) ----------------------------------------------------------------------
 
@@ -381,7 +398,7 @@ class RootRuntime(AgreementChecks, RootContext):
             if target is not None and self._prefetch(target):
                 self.gathered_in_forward.add(target)
         for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
-            handle.use_views(track_grad=torch.is_grad_enabled(), in_forward=True)
+            handle.use_views(track_grad=torch.is_grad_enabled(), in_forward=True, before_full_grad=self.on_full_grad)
         if unit.frozen and torch.is_grad_enabled() and not recompute:
             self._hook_inputs_for_frozen_handles(unit, inputs)
 
@@ -420,9 +437,7 @@ class RootRuntime(AgreementChecks, RootContext):
             for unit in self.gathered_in_forward:
                 self._free(unit)  # also unused forward prefetches
             self.prefetched.clear()
-            self.checking = False  # no backward follows: the first iteration is over
-        elif not self.exec_order.same_as_first():
-            self.checking = True  # the order changed: check this iteration's backward collectives
+            self.checking = self.every_collective_checked  # (no backward follows)
         self.gathered_in_forward.clear()
 
     # -- gathering and freeing ------------------------------------------------------------------
@@ -500,6 +515,7 @@ class RootRuntime(AgreementChecks, RootContext):
         self._queue_finalizer()
         state = unit.training_state
         if state is _IDLE:
+            self.finish_reductions()  # (see [Note: reductions in flight])
             needed = list(unit.handles)
             unit.move((_IDLE,), _BACKWARD_PRE)
             unit.pending.update(needed)
@@ -520,7 +536,7 @@ class RootRuntime(AgreementChecks, RootContext):
         for handle in needed:
             # Views back on the modules, under autograd, for code that re-runs forward pieces
             # in backward (activation checkpointing) and reads the parameters from the modules.
-            handle.use_views(track_grad=True)
+            handle.use_views(track_grad=True, before_full_grad=self.on_full_grad)
 
     def _refuse_changed_views(self, unit: Unit) -> None:
         """A unit kept gathered from its forward computes its backward with the views of that
@@ -579,10 +595,16 @@ class RootRuntime(AgreementChecks, RootContext):
         self._done(unit, [handle])
 
     def _track_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
-        """Reductions run while later units compute their gradients; at most
-        ``MAX_REDUCTIONS_IN_FLIGHT`` stay in flight, the end of backward completes the rest."""
+        """A reduction stays in flight until the next unit's backward begins (see [Note:
+        reductions in flight]), at most ``MAX_REDUCTIONS_IN_FLIGHT`` at once; the end of
+        backward completes the rest."""
         self.reducing.append((unit, handle))
         while len(self.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._finish_reduction(*self.reducing.pop(0))
+
+    def finish_reductions(self) -> None:
+        """Complete every reduction in flight, oldest first."""
+        while self.reducing:
             self._finish_reduction(*self.reducing.pop(0))
 
     def _finish_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
@@ -647,7 +669,7 @@ class RootRuntime(AgreementChecks, RootContext):
         if not failed:
             self.reduce_held()
             self._check_order(token(END_OF_BACKWARD))
-            self.checking = False
+            self.checking = self.every_collective_checked
         for unit in self.units:
             for handle in unit.handles:
                 handle.settle_grad_copy()

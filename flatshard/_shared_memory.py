@@ -183,7 +183,7 @@ class SharedMemoryChannel:
         self._finalizer: Optional[weakref.finalize] = None
         self.deferrals = 0  # chunks that had to wait for room in the arena (diagnostics)
         self.published_bytes = 0  # all chunks this rank has given the peer (diagnostics)
-        self._tags: Dict[str, int] = {}  # label -> digest, of this rank's exchanges (the peer's are named by it)
+        self._tags: Dict[str, int] = {}  # label -> digest, of what this rank exchanges (the peer's are named by it)
         self._poller: Optional[Any] = None  # waits on the FIFO (poll: no limit on fd numbers)
 
     # -- connecting ---------------------------------------------------------------------
@@ -268,6 +268,14 @@ class SharedMemoryChannel:
 
     # -- exchanging ---------------------------------------------------------------------
 
+    def name(self, label: str) -> int:
+        """The digest exchanges of ``label`` carry; known from now on, so that an error can name
+        ``label`` when it is what the peer exchanged, even before this rank exchanged it."""
+        tag = self._tags.get(label)
+        if tag is None:
+            tag = self._tags[label] = fingerprint(label) if label else 0
+        return tag
+
     def exchange(self, kind: int, chunk: torch.Tensor, arrive: Callable[[torch.Tensor], Any], label: str = "") -> Exchange:
         """Publish ``chunk`` (1-D, contiguous, on the CPU) for the peer and return the swap in
         flight; ``arrive(peer_chunk)`` runs once the peer's chunk of the same exchange is there
@@ -275,9 +283,7 @@ class SharedMemoryChannel:
         what the chunk is of; the peer's exchange must have the same."""
         self._check_usable()
         self._seq += 1
-        tag = self._tags.get(label)
-        if tag is None:
-            tag = self._tags[label] = fingerprint(label) if label else 0
+        tag = self.name(label)
         op = Exchange(self, self._seq, kind, chunk.dtype, chunk.numel() * chunk.element_size(), label, tag, arrive)
         self._receiving.append(op)
         self.published_bytes += op.nbytes
@@ -381,7 +387,7 @@ class SharedMemoryChannel:
             kind, code, nbytes, offset, tag = theirs.words[slot + 1 : slot + 6].tolist()
             if (kind, code, nbytes, tag) != op.key:
                 dtype = next((str(d) for d, c in _DTYPE_CODES.items() if c == code), "an unknown dtype")
-                label = next((text for text, t in self._tags.items() if t == tag), "something this rank never exchanged")
+                label = next((text for text, t in self._tags.items() if t == tag), "something this rank does not know")
                 said = {self.rank: op.describe(), self.peer: _describe(kind, label, nbytes, dtype)}
                 self._break(
                     f"[rank {self.rank}] the ranks disagree on collective #{op.seq} of this model "

@@ -16,8 +16,8 @@ from enum import Enum, auto
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ._buffer_pool import BufferPool
 from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from ._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from ._errors import DivergedRanksError
@@ -243,13 +243,6 @@ class RootContext:
         self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {
             handle.storage_key(): (unit, handle) for unit in units for handle in unit.handles if handle.separate_full
         }
-        # Idle memory of full flat tensors and reduction buffers, reused from one unit to the
-        # next (see [Note: buffer pool]): room for two of the largest unit.
-        largest = max((h.padded_numel * h.compute_dtype.itemsize for _, h in self.freeable.values()), default=0)
-        self.buffers = BufferPool(2 * largest)
-        for unit in units:
-            for handle in unit.handles:
-                handle.pool = self.buffers
         self.exec_order: ExecOrder[Unit] = ExecOrder()
         self.backward_state = BackwardState.IDLE
         # Units gathered during the current root forward (by their forward or a forward
@@ -259,8 +252,10 @@ class RootContext:
         self.prefetched: List[Unit] = []
         # Handles whose gradient reduction is in flight (with their units), oldest first.
         self.reducing: List[Tuple[Unit, FlatParamHandle]] = []
-        # Whether every collective is preceded by an order check (see [Note: order check]).
-        self.checking = True
+        # Whether every collective is preceded by an order check (see [Note: order check]):
+        # under TORCH_DISTRIBUTED_DEBUG=DETAIL always, else only while generating unsynced.
+        self.every_collective_checked = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        self.checking = self.every_collective_checked
 
     def move(self, allowed_from: Sequence[BackwardState], target: BackwardState) -> None:
         self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())

@@ -22,11 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._buffer_pool import BufferPool
 from ._collectives import Communicator, Pending, ProcessGroup
 from ._common import FLAT_PARAM, HandleState, alloc_storage, clean_name, copy_fields, free_storage, guard_transition, storage_bytes
 from ._layout import OrigParam, ParamInfo, SharedParamInfo, ShardParamInfo, flatten, layout, shard_param_infos, shard_sizes
-from ._handle_grads import HandleGrads, HeldGrad, SplitWithPooledGrad, to_host
+from ._handle_grads import HandleGrads, HeldGrad, to_host
 from ._module_views import ModuleViews
 from ._orig_params import OrigParams
 from ._placeholder import ParamPlaceholder
@@ -178,9 +177,6 @@ class FlatParamHandle(HandleGrads):
         self._kept_grad: Optional[torch.Tensor] = None
         self._held_version: Tuple[int, ...] = ()
         self._gather: Optional[Pending] = None  # the all-gather in flight (GATHERING)
-        # Idle memory for full flat tensors and reduction buffers, shared by the root's
-        # handles once it runs (see [Note: buffer pool]); until then it holds nothing.
-        self.pool = BufferPool()
         # The gradient reduction in flight (see [Note: gradient reduction]).
         self._reduction = None  # (typed in HandleGrads)
         # The offloaded gradient's copy to the CPU in flight (see [Note: offloaded gradients]).
@@ -211,13 +207,13 @@ class FlatParamHandle(HandleGrads):
         full = None
         if self.separate_full:
             full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
-            free_storage(full, BufferPool())
+            free_storage(full)
             full.requires_grad_(self._full.requires_grad)
         given = {
             "_comm_hook": self._comm_hook, "_full": full, "_full_data": None if full is None else full.data,
             "_module_views": None, "_held_grad": None, "_local_grad": False, "_gather": None,
             "_hold": HeldGrad.NONE, "_kept_grad": None, "_held_version": (),
-            "pool": BufferPool(), "_reduction": None, "_grad_copy": None,
+            "_reduction": None, "_grad_copy": None,
             "state": HandleState.SHARDED if self.separate_full else HandleState.UNSHARDED,
         }
         new = copy_fields(self, memo, given)
@@ -272,7 +268,7 @@ class FlatParamHandle(HandleGrads):
         self.grad_dtype = compute if precision.keep_low_precision_grads else shard.dtype
         if self.separate_full:
             full = torch.empty(self.padded_numel, dtype=compute, device=self.device)
-            free_storage(full, BufferPool())
+            free_storage(full)
             self._full = full.requires_grad_(self._full.requires_grad)
         else:
             self._full = self.flat_param
@@ -378,7 +374,7 @@ class FlatParamHandle(HandleGrads):
         completes it)."""
         self.take_user_writes()
         self._move((HandleState.SHARDED,), HandleState.GATHERING, "unshard")
-        alloc_storage(self._full_data, self.padded_numel, self.pool)
+        alloc_storage(self._full_data, self.padded_numel)
         self._start_gather(async_op)
 
     def _start_gather(self, async_op: bool) -> None:
@@ -437,16 +433,18 @@ class FlatParamHandle(HandleGrads):
         self.finish_gather()  # never free memory a collective is still writing
         self.drop_views()  # (taking what was written through them first)
         self._move((HandleState.UNSHARDED,), HandleState.SHARDED, "reshard")
-        free_storage(self._full_data, self.pool)
+        free_storage(self._full_data)
         return True
 
-    def use_views(self, track_grad: bool, in_forward: bool = False) -> None:
+    def use_views(self, track_grad: bool, in_forward: bool = False, before_full_grad: Optional[Callable[[Any], None]] = None) -> None:
         """Put views of the full flat tensor on the modules in place of the original parameters.
 
         With ``track_grad`` the views are made under autograd, so gradients flow into
         ``grad_leaf``; without it they are plain aliases (for ``no_grad`` forwards).
         ``in_forward``: the unit's forward is about to run (original parameters: the views are
-        what ``named_parameters()`` gives until ``end_forward``).
+        what ``named_parameters()`` gives until ``end_forward``). ``before_full_grad``: called
+        (with the pieces' gradients) just before a backward assembles the full gradient from
+        the views' gradients, i.e. before it allocates it.
         """
         self.finish_gather()
         if self.state is not HandleState.UNSHARDED:
@@ -456,10 +454,9 @@ class FlatParamHandle(HandleGrads):
         if self.orig is not None:
             self.flat_grad()  # (frees a shard gradient whose views the user dropped: zero_grad)
         with torch.set_grad_enabled(track_grad and self.requires_grad):
-            if torch.is_grad_enabled() and self.separate_full:
-                chunks = SplitWithPooledGrad.apply(self._full, self._split_sizes, self.pool)
-            else:
-                chunks = self._full.split(self._split_sizes)
+            chunks = self._full.split(self._split_sizes)
+            if before_full_grad is not None and chunks and chunks[0].grad_fn is not None:
+                chunks[0].grad_fn.register_prehook(before_full_grad)
             if self.orig is not None:
                 views = self.orig.compute_views(chunks, [info.shape for info in self.param_infos], track_grad)
             else:

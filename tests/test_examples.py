@@ -209,7 +209,7 @@ def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimiz
     assert cells[4] == cells[5], row  # params + grads + AdamW state == 4 x total / 2
     gathered_units = float(cells[6].split("(")[1].rstrip(")"))
     assert gathered_units <= 3.0, row  # the root, the unit computing and the prefetched one
-    arena_units = float(cells[9].split("(")[1].rstrip(")"))
+    arena_units = float(cells[7].split("(")[1].rstrip(")"))
     from flatshard._shared_memory import available_here
 
     if available_here():

@@ -63,11 +63,41 @@ def _peak_with_mistargeted_prefetch(rank, world_size, limit):
     return rec.max_gathered
 
 
-def _divergent(rank, world_size, iteration, shared_memory="1"):
+def _divergent(rank, world_size, iteration, shared_memory="1", detail=False):
     """Rank 1 runs blocks 1 and 2 swapped, from iteration ``iteration`` on: every rank must
-    raise (the message is returned per rank). ``shared_memory``: FLATSHARD_SHARED_MEMORY."""
-    with mock.patch.dict(os.environ, {"FLATSHARD_SHARED_MEMORY": shared_memory}):
-        return _divergent_run(rank, world_size, iteration)
+    raise (the message is returned per rank). ``shared_memory``: FLATSHARD_SHARED_MEMORY;
+    ``detail``: under torch's DETAIL debug level (every collective checked)."""
+    import torch.distributed as dist
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
+    try:
+        with mock.patch.dict(os.environ, {"FLATSHARD_SHARED_MEMORY": shared_memory}):
+            return _divergent_run(rank, world_size, iteration)
+    finally:
+        dist.set_debug_level(level)
+
+
+def _check_collectives(rank, world_size, detail):
+    """The small collectives of the ranks' agreement checks in each of three training steps."""
+    import torch.distributed as dist
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL if detail else dist.DebugLevel.OFF)
+    try:
+        model = wrap(build(n_blocks=3), "nested")
+        tokens, targets = (local(t, rank) for t in batch(0, world_size))
+        counts = []
+        for _ in range(3):
+            events = []
+            model._unit.comm.observe(lambda e: events.append(e))
+            for m in ShardedDataParallel.fsdp_modules(model):
+                m._unit.comm.observe(lambda e: events.append(e))
+            lm_loss(model(tokens), targets).backward()
+            counts.append(sum(e.check for e in events))
+        return counts
+    finally:
+        dist.set_debug_level(level)
 
 
 def _divergent_run(rank, world_size, iteration):
@@ -86,11 +116,13 @@ def _divergent_run(rank, world_size, iteration):
 
 
 class OverlapTest(TestCase):
-    def test_reductions_run_while_later_units_compute(self):
+    def test_a_reduction_runs_until_the_next_units_backward_begins(self):
         events = self.pool.run(_reduction_events, 2)[0]
-        # "reduce X" is issued in X's post-backward and "reduced X" completes it: blocks.3's
-        # reduction is completed only after blocks.2 and blocks.1 computed their gradients
-        self.assertExpectedInline(events, """pre-backward root | gather blocks.3 | pre-backward blocks.3 | gather blocks.2 | post-backward blocks.3 | reduce blocks.3 | free blocks.3 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | reduce blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | reduce blocks.1 | reduced blocks.3 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | reduce blocks.0 | reduced blocks.2 | free blocks.0 | post-backward root | reduce root | reduced blocks.1 | free root | reduced blocks.0 | reduced root""")
+        # "reduce X" is issued in X's post-backward and "reduced X" completes it, when the next
+        # unit's backward begins, before that unit gathers or prefetches anything, or just before
+        # a unit assembles its own full gradient (blocks.0's before the root's; [Note: reductions
+        # in flight]); the root's at the end of backward
+        self.assertExpectedInline(events, """pre-backward root | gather blocks.3 | pre-backward blocks.3 | gather blocks.2 | post-backward blocks.3 | reduce blocks.3 | free blocks.3 | pre-backward blocks.2 | reduced blocks.3 | gather blocks.1 | post-backward blocks.2 | reduce blocks.2 | free blocks.2 | pre-backward blocks.1 | reduced blocks.2 | gather blocks.0 | post-backward blocks.1 | reduce blocks.1 | free blocks.1 | pre-backward blocks.0 | reduced blocks.1 | post-backward blocks.0 | reduce blocks.0 | free blocks.0 | reduced blocks.0 | post-backward root | reduce root | free root | reduced root""")
 
 
 class LimitAllGathersTest(TestCase):
@@ -103,9 +135,33 @@ class LimitAllGathersTest(TestCase):
 
 class OrderCheckTest(TestCase):
     def test_different_units_in_the_first_iteration(self):
-        first, second = self.pool.run(_divergent, 2, 0, timeout=60)
+        # on gloo, the check at the end of the forward
+        first, second = self.pool.run(_divergent, 2, 0, "0", timeout=60)
         self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))  # both ranks raise
+        self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #2 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'""")
+        # under TORCH_DISTRIBUTED_DEBUG=DETAIL, already at the first all-gather that differs
+        first, second = self.pool.run(_divergent, 2, 0, "0", True, timeout=60)
+        self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
         self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is gathering the parameters of unit 'blocks.1'; rank 1 is gathering the parameters of unit 'blocks.2'""")
+        first, second = self.pool.run(_divergent, 3, 0, "0", True, timeout=60)[:2]
+        self.assertIn("rank 0 is gathering the parameters of unit 'blocks.1'; rank 1 is gathering the parameters of unit 'blocks.2'", first)
+        if not available_here():
+            return
+        # two ranks through shared memory: at the first exchange that differs, naming the
+        # peer's unit too though this rank has not exchanged it yet
+        first, second = self.pool.run(_divergent, 2, 0, timeout=60)
+        self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
+        self.assertExpectedInline(first, """[rank 0] the ranks disagree on collective #3 of this model (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 issued an all-gather of unit 'blocks.1' (592 bytes of torch.float32); rank 1 an all-gather of unit 'blocks.2' (592 bytes of torch.float32)""")
+
+    def test_each_iteration_checks_with_a_constant_number_of_small_collectives(self):
+        # [Note: order check]: the forward's check and the backward's, from the first iteration
+        # on, at any world size; under DETAIL one per collective of each unit in every iteration
+        for world_size in (2, 3):
+            for counts in self.pool.run(_check_collectives, world_size, False):
+                self.assertEqual(counts, [2, 2, 2])
+        for counts in self.pool.run(_check_collectives, 3, True):
+            self.assertEqual(len(set(counts)), 1)
+            self.assertGreater(counts[0], 2 * 4)  # two gathers and a reduction of each of 4 units
 
     def test_different_order_in_a_later_iteration(self):
         # on gloo, the check at the end of every forward

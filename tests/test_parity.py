@@ -33,3 +33,9 @@ def test_no_sync_accumulation_matches_the_accumulated_batch(rank_pool, strategy_
     # 3 micro-batches per step, the first two under no_sync: the same as one step on the
     # three global micro-batches' summed gradient.
     rank_pool.run(run_parity, 2, "nested", steps=3, micro_batches=3, sharding_strategy=strategy(strategy_name))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_backward_that_builds_a_graph_trains_like_single_process(rank_pool, world_size):
+    # backward(create_graph=True): the full gradients are part of a graph (dropped before the step)
+    rank_pool.run(run_parity, world_size, "nested", steps=3, create_graph=True)

@@ -41,3 +41,24 @@ class UnitOfTest(TestCase):
         module = torch.nn.Linear(2, 2)
         module._unit = "not a unit"
         self.assertIsNone(unit_of(module))
+
+
+class CheckReportsTest(TestCase):
+    """What the per-iteration checks report once the ranks' digests differ and they have
+    exchanged what they compared ([Note: order check] in ``flatshard/_exec_order.py``)."""
+
+    def test_ranks_at_different_checks_are_named_by_where_they_are(self):
+        from flatshard._agreement import _backward_difference, _forward_difference
+
+        everyone = [("at the end of its forward", ["<root>", "a"], 3), ("at the start of its backward", ["<root>"])]
+        expected = "the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is at the end of its forward; rank 1 is at the start of its backward"
+        self.assertEqual(_forward_difference(everyone), expected)
+        self.assertEqual(_backward_difference(everyone), expected)
+
+    def test_the_first_unit_that_differs_or_the_optimizer_steps(self):
+        from flatshard._agreement import _forward_difference
+
+        ran = [("at the end of its forward", ["<root>", "a", "b"], 2), ("at the end of its forward", ["<root>", "b"], 2)]
+        self.assertExpectedInline(_forward_difference(ran), """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #1 of this forward differs: rank 0 ran a; rank 1 ran b""")
+        steps = [("at the end of its forward", ["<root>"], 2), ("at the end of its forward", ["<root>"], 3)]
+        self.assertExpectedInline(_forward_difference(steps), """the ranks called optimizer.step() on this model a different number of times before this forward (rank 0: 2; rank 1: 3): a rank that steps alone, or skips a step the others take, trains a different model from then on (every rank must step together)""")

@@ -10,10 +10,11 @@ wrapper builds from the same plan (``_planning``), so the two agree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -29,8 +30,9 @@ from ..api import BackwardPrefetch, ShardingStrategy
 from ..flat_param import shard_sizes
 from ..sharded_data_parallel import ShardedDataParallel
 from ..wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from ._measure import NOT_MEASURABLE, PHASES, Fit, Measurement, fit as _fit, measure as _measure
 
-__all__ = ["plan", "Plan", "UnitPlan", "GroupPlan"]
+__all__ = ["plan", "Plan", "UnitPlan", "GroupPlan", "Measurement"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,21 @@ class Plan:
     world_size: int
     units: Tuple[UnitPlan, ...]  # the root first, then the module order
     prefetch: bool  # whether a second unit is gathered ahead (backward or forward prefetch)
+    # With ``measure=True``: what one rank allocated, the line fitted through it and a second
+    # measurement, and (N, shard bytes) of each other world size asked about (see [Note:
+    # measuring a plan]).
+    measurement: Optional[Measurement] = None
+    fit: Optional[Fit] = None
+    other_sizes: Tuple[Tuple[int, int], ...] = ()
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of parameter shards each rank keeps."""
+        return sum(u.shard_bytes for u in self.units)
+
+    @property
+    def trainable_shard_bytes(self) -> int:
+        return sum(u.trainable_shard_bytes for u in self.units)
 
     def memory(self) -> Tuple[Tuple[str, int], ...]:
         """The per-rank peak parameter + gradient memory estimate, by component.
@@ -156,7 +173,36 @@ class Plan:
             lines.extend(f"  {' = '.join(names)}  ->  {name or '<root>'}" for names, name in tied)
         parts = " + ".join(f"{label} {_size(value)}" for label, value in self.memory())
         lines.append(f"estimated peak per rank (parameters + gradients): {_size(self.peak_bytes)} = {parts}")
+        if self.measurement is not None:
+            lines.extend(self._measurement_lines(self.measurement))
         return "\n".join(lines)
+
+    def _measurement_lines(self, m: Measurement) -> List[str]:
+        lines = [
+            f"measured: rank {m.rank} of {m.world_size} on torch's fake process group ({m.device}), step {m.steps} of {m.steps}",
+            f"  {'':<22}{'planned':>12}{'measured':>12}",
+            f"  {'parameter shards':<22}{_size(self.shard_bytes):>12}{_size(m.shards):>12}",
+            f"  {'gradient shards':<22}{_size(self.trainable_shard_bytes):>12}{_size(m.gradients):>12}",
+            f"  {'optimizer state':<22}{'-':>12}{_size(m.optimizer_state):>12}",
+        ]
+        for phase in ("construction",) + PHASES:
+            planned = _size(self.peak_bytes) + "*" if phase in ("forward", "backward") else "-"
+            if phase == "between steps":
+                planned, measured = _size(self.shard_bytes + m.optimizer_state), _size(m.end(phase))
+            else:
+                measured = _size(m.peak(phase))
+            lines.append(f"  {phase + (' peak' if phase != 'between steps' else ''):<22}{planned:>12}{measured:>12}")
+        lines.append("  (* the planner's parameters + gradients estimate, without activations)")
+        if self.fit is not None and self.other_sizes:
+            header = "".join(f"{p + ' peak':>22}" for p in PHASES[:3]) + f"{'between steps':>16}"
+            first, second = self.fit.world_sizes
+            lines.append(f"predicted at other world sizes (each phase fitted to its measurements at N = {first} and {second}):")
+            lines.append(f"  {'N':>6}{'parameter shards':>18}{header}")
+            for n, shards in self.other_sizes:
+                values = "".join(f"{_size(self.fit.at(p, shards)):>22}" for p in PHASES[:3])
+                lines.append(f"  {n:>6}{_size(shards):>18}{values}{_size(self.fit.at('between steps', shards)):>16}")
+        lines.append(NOT_MEASURABLE)
+        return lines
 
 
 def plan(
@@ -169,6 +215,14 @@ def plan(
     ignored_modules: Optional[Iterable[nn.Module]] = None,
     ignored_states: Optional[Iterable[Any]] = None,
     print_table: bool = True,
+    measure: bool = False,
+    example_input: Any = None,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+    rank: Optional[int] = None,
+    device: Any = "cpu",
+    steps: int = 2,
+    at: Optional[Sequence[int]] = None,
 ) -> Plan:
     """The units ``ShardedDataParallel(module, auto_wrap_policy=..., ...)`` would build on
     ``world_size`` ranks, computed without a process group (``module`` may be on the meta
@@ -185,6 +239,20 @@ def plan(
         ignored_modules: as for ``ShardedDataParallel``.
         ignored_states: as for ``ShardedDataParallel``.
         print_table: print the plan as a table.
+        measure: also run one rank of ``world_size`` for real on torch's fake process group
+            (no other process group may exist) and measure what it allocates, phase by phase,
+            beside the planner's numbers; then the same at four times ``world_size``, and
+            predict the peaks at the world sizes ``at`` (see [Note: measuring a plan]).
+            ``module`` is copied, not wrapped.
+        example_input: with ``measure``: one batch, the model's positional argument (a tuple
+            for several).
+        loss_fn: with ``measure``: the loss of the model's output (default: the sum of its
+            floating-point tensors).
+        optimizer: with ``measure``: makes the optimizer from the parameters (default AdamW).
+        rank: with ``measure``: which rank to be (default the last).
+        device: with ``measure``: ``"cpu"`` or a CUDA device.
+        steps: with ``measure``: training steps to run; the last one is measured.
+        at: with ``measure``: other world sizes to predict (default 8 and 64 times ``world_size``).
 
     Returns:
         The ``Plan``; ``str(plan)`` is the table.
@@ -205,6 +273,24 @@ def plan(
     units.sort(key=lambda u: order.get(u.name, len(order)))
     prefetch = check_options(options).backward_prefetch is not None or forward_prefetch
     result = Plan(world_size, tuple(units), prefetch)
+    if measure:
+        if example_input is None:
+            raise ValueError("plan(measure=True) needs example_input: one batch to train on (the model's positional argument)")
+        if rank is None:
+            rank = world_size - 1
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in 0..{world_size - 1}; got {rank!r}")
+        wrap_kwargs = dict(
+            sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch, ignored_modules=ignored_modules, ignored_states=ignored_states,
+        )
+        measured = _measure(module, wrap_kwargs, world_size, rank, example_input, loss_fn, optimizer, steps, torch.device(device))
+        again = _measure(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, example_input, loss_fn, optimizer, steps, torch.device(device))
+        others = []
+        for n in at if at is not None else (8 * world_size, 64 * world_size):
+            other = plan(module, auto_wrap_policy, n, sharding_strategy, backward_prefetch, forward_prefetch, ignored_modules, ignored_states, print_table=False)
+            others.append((n, other.shard_bytes))
+        result = dataclasses.replace(result, measurement=measured, fit=_fit(measured, again), other_sizes=tuple(others))
     if print_table:
         print(result)
     return result
@@ -294,14 +380,32 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--min-num-params", type=int, help="size_based_auto_wrap_policy threshold")
     parser.add_argument("--always", action="store_true", help="always_wrap_policy")
     parser.add_argument("--no-meta", action="store_true", help="build the model for real instead of on the meta device")
+    measuring = parser.add_argument_group("measuring (one rank of --world-size, run on torch's fake process group)")
+    measuring.add_argument("--measure", action="store_true", help="train a few steps as one rank and measure its memory by phase")
+    measuring.add_argument("--input", metavar="MODULE:CALLABLE", help="returns one batch: the model's positional argument (a tuple for several)")
+    measuring.add_argument("--loss", metavar="MODULE:CALLABLE", help="loss(output) (default: the sum of the output's floating-point tensors)")
+    measuring.add_argument("--optimizer", metavar="MODULE:CALLABLE", help="optimizer(params) (default: AdamW)")
+    measuring.add_argument("--rank", type=int, help="the rank to be (default: the last)")
+    measuring.add_argument("--device", default="cpu", help="cpu, or cuda on a machine with a GPU")
+    measuring.add_argument("--steps", type=int, default=2, help="training steps; the last is measured")
+    measuring.add_argument("--at", help="other world sizes to predict, comma-separated (default: 8 and 64 times --world-size)")
     args = parser.parse_args(argv)
+    if args.measure and not args.input:
+        parser.error("--measure needs --input MODULE:CALLABLE (one batch to train on)")
     factory = _load(args.model)
     if args.no_meta:
         model = factory()
     else:
         with torch.device("meta"):
             model = factory()
-    plan(model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy])
+    extra: dict = {}
+    if args.measure:
+        extra = dict(
+            measure=True, example_input=_load(args.input)(), rank=args.rank, device=args.device, steps=args.steps,
+            loss_fn=_load(args.loss) if args.loss else None, optimizer=_load(args.optimizer) if args.optimizer else None,
+            at=[int(n) for n in args.at.split(",")] if args.at else None,
+        )
+    plan(model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy], **extra)
 
 
 
