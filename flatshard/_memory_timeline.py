@@ -5,7 +5,8 @@ scale benchmark report.
 records the allocator's own events (``torch.profiler`` with ``profile_memory``: one event per
 allocation and free, storage resizes included) and adds them up in time order; phases are
 ``record_function`` ranges, located by their timestamps. What was allocated before the
-timeline started is not counted: start it before the model is built. On CUDA the caching
+timeline started is not counted, but its freeing is (as a negative change): start the timeline
+before the model is built, after a garbage collection. On CUDA the caching
 allocator counts allocated bytes and their peak itself (``memory_allocated``,
 ``max_memory_allocated``), read at each phase's ends. Either way the numbers are the bytes of
 live tensors, not what the allocator reserves from the system.
@@ -97,6 +98,8 @@ class MemoryTimeline:
                 ranges[name[len(_MARK):]] = (event.start_ns(), event.end_ns())
         changes.sort()
         for name in self._order:
+            if name not in ranges:
+                raise AssertionError(f"phase {name!r} was measured but the profiler recorded no range for it (ranges: {sorted(ranges)})")
             start_ns, end_ns = ranges[name]
             before = sum(n for t, n in changes if t < start_ns)
             running, peak = before, before

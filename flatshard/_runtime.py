@@ -336,6 +336,7 @@ class RootRuntime(AgreementChecks, RootContext):
         which would wait for it (see [Note: peer failures] in ``_peer_failures``)."""
         if self.watch is not None and error is not None:
             self.watch.leave(f"the forward of {_where(step.unit)}", error)
+        self.checking = self.every_collective_checked  # (an unsynced generate that raised)
         step.saved.close()
         for handle in step.unit.handles:
             handle.end_forward()

@@ -291,6 +291,7 @@ def _describe(unit: Unit) -> str:
 def check_same_units(root: Unit) -> None:
     """Raise on every rank unless every rank built the same units with the same options
     under ``root`` (one small collective; hybrid: also across the replicas)."""
+    _check_same_debug_level(root)
     descriptions = [_describe(unit) for unit in root.members()]
     replicas = root.replicate_group
     if replicas is not None and not all_ranks_agree("\n".join(descriptions), replicas, root.device):
@@ -317,6 +318,19 @@ def check_same_units(root: Unit) -> None:
         f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
         f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines) + hint
     )
+
+
+def _check_same_debug_level(root: Unit) -> None:
+    """Ranks that check every collective (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, [Note: order
+    check]) and ranks that do not would pair one's checks with the other's gathers."""
+    level = "DETAIL" if dist.get_debug_level() == dist.DebugLevel.DETAIL else "not DETAIL"
+    per_rank = gather_if_different([level], Communicator(root.group), root.device)
+    if per_rank is not None:
+        levels = "; ".join(f"rank {r}: {theirs[0]}" for r, theirs in enumerate(per_rank))
+        raise DivergedRanksError(
+            f"[rank {root.rank}] the ranks' TORCH_DISTRIBUTED_DEBUG levels differ ({levels}): under DETAIL "
+            f"every collective is checked, which only works when every rank checks; set it alike on every rank"
+        )
 
 
 def _unnamed(description: str) -> str:

@@ -11,6 +11,7 @@ loading each back; prints one JSON line of what it saw. Also the model, batch an
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -153,7 +154,7 @@ def main(world: int, rank: int) -> Dict[str, Any]:
 
 def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     """Each phase's peak bytes of a training step (the second), flatshard's and torch FSDP1's,
-    one after the other in this process."""
+    one after the other in this process, counted from before each model is built."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -166,16 +167,17 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     tokens = torch.randint(0, VOCAB, (2, 16))
     found = {}
     for name in ("flatshard", "fsdp1"):
-        with torch.device("meta"):
-            meta = Decoder()
-        policy = ModuleWrapPolicy({Block})
-        if name == "flatshard":
-            model: nn.Module = ShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init)
-        else:
-            model = FullyShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init, device_id=torch.device("cpu"))
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _step(model, optim, tokens)
+        gc.collect()  # (the model before is gone before this one's timeline starts)
         with MemoryTimeline(torch.device("cpu")) as timeline:
+            with torch.device("meta"):
+                meta = Decoder()
+            policy = ModuleWrapPolicy({Block})
+            if name == "flatshard":
+                model: nn.Module = ShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init)
+            else:
+                model = FullyShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init, device_id=torch.device("cpu"))
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            _step(model, optim, tokens)
             with timeline.phase("forward"):
                 loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
             with timeline.phase("backward"):
@@ -185,7 +187,7 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
                 optim.step()
                 optim.zero_grad(set_to_none=True)
         found[name] = {phase: m.peak for phase, m in timeline.phases.items()}
-        del model, optim
+        del model, optim, meta
     dist.destroy_process_group()
     return found
 

@@ -78,6 +78,23 @@ def _divergent(rank, world_size, iteration, shared_memory="1", detail=False):
         dist.set_debug_level(level)
 
 
+def _detail_on_one_rank(rank, world_size):
+    """Only the last rank checks every collective: refused at the first forward."""
+    import torch.distributed as dist
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL if rank == world_size - 1 else dist.DebugLevel.OFF)
+    try:
+        model = wrap(build(n_blocks=3), "nested")
+        tokens, targets = (local(t, rank) for t in batch(0, world_size))
+        model(tokens)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        dist.set_debug_level(level)
+    return "no error"
+
+
 def _check_collectives(rank, world_size, detail):
     """The small collectives of the ranks' agreement checks in each of three training steps."""
     import torch.distributed as dist
@@ -152,6 +169,11 @@ class OrderCheckTest(TestCase):
         first, second = self.pool.run(_divergent, 2, 0, timeout=60)
         self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
         self.assertExpectedInline(first, """[rank 0] the ranks disagree on collective #3 of this model (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 issued an all-gather of unit 'blocks.1' (592 bytes of torch.float32); rank 1 an all-gather of unit 'blocks.2' (592 bytes of torch.float32)""")
+
+    def test_ranks_that_disagree_on_checking_every_collective_are_refused(self):
+        # (they would pair a rank's per-collective check with another's gather)
+        for rank, message in enumerate(self.pool.run(_detail_on_one_rank, 3)):
+            self.assertEqual(message, f"[rank {rank}] the ranks' TORCH_DISTRIBUTED_DEBUG levels differ (rank 0: not DETAIL; rank 1: not DETAIL; rank 2: DETAIL): under DETAIL every collective is checked, which only works when every rank checks; set it alike on every rank")
 
     def test_each_iteration_checks_with_a_constant_number_of_small_collectives(self):
         # [Note: order check]: the forward's check and the backward's, from the first iteration

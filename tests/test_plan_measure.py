@@ -98,6 +98,8 @@ class MeasureArgumentsTest(TestCase):
 
         with self.assertRaisesRegex(ValueError, r"plan\(measure=True\) needs example_input: one batch to train on"):
             flatshard.plan(Decoder(), world_size=8, measure=True, print_table=False)
+        with self.assertRaisesRegex(ValueError, r"world_size must be at least 2; got 1"):
+            flatshard.plan(Decoder(), world_size=1, measure=True, example_input=torch.zeros(1, 2, dtype=torch.long), print_table=False)
         with self.assertRaisesRegex(ValueError, r"rank must be an int in 0..7; got 8"):
             flatshard.plan(Decoder(), world_size=8, measure=True, example_input=torch.zeros(1, 2, dtype=torch.long), rank=8, print_table=False)
 

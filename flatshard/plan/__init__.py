@@ -116,6 +116,7 @@ class Plan:
 
     @property
     def trainable_shard_bytes(self) -> int:
+        """Bytes of the trainable parameter shards each rank keeps (its gradients are as many)."""
         return sum(u.trainable_shard_bytes for u in self.units)
 
     def memory(self) -> Tuple[Tuple[str, int], ...]:
@@ -241,9 +242,9 @@ def plan(
         print_table: print the plan as a table.
         measure: also run one rank of ``world_size`` for real on torch's fake process group
             (no other process group may exist) and measure what it allocates, phase by phase,
-            beside the planner's numbers; then the same at four times ``world_size``, and
-            predict the peaks at the world sizes ``at`` (see [Note: measuring a plan]).
-            ``module`` is copied, not wrapped.
+            beside the planner's numbers; then the same as the last rank of four times
+            ``world_size``, and predict the peaks at the world sizes ``at`` (see [Note:
+            measuring a plan]). ``module`` is copied, not wrapped: build it on the meta device.
         example_input: with ``measure``: one batch, the model's positional argument (a tuple
             for several).
         loss_fn: with ``measure``: the loss of the model's output (default: the sum of its
@@ -276,6 +277,8 @@ def plan(
     if measure:
         if example_input is None:
             raise ValueError("plan(measure=True) needs example_input: one batch to train on (the model's positional argument)")
+        if world_size < 2:
+            raise ValueError(f"plan(measure=True) measures one rank of a sharded world: world_size must be at least 2; got {world_size}")
         if rank is None:
             rank = world_size - 1
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -284,13 +287,14 @@ def plan(
             sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch, ignored_modules=ignored_modules, ignored_states=ignored_states,
         )
+        def shards_at(n: int) -> int:
+            return plan(module, auto_wrap_policy, n, sharding_strategy, backward_prefetch, forward_prefetch, ignored_modules, ignored_states, print_table=False).shard_bytes
+
         measured = _measure(module, wrap_kwargs, world_size, rank, example_input, loss_fn, optimizer, steps, torch.device(device))
         again = _measure(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, example_input, loss_fn, optimizer, steps, torch.device(device))
-        others = []
-        for n in at if at is not None else (8 * world_size, 64 * world_size):
-            other = plan(module, auto_wrap_policy, n, sharding_strategy, backward_prefetch, forward_prefetch, ignored_modules, ignored_states, print_table=False)
-            others.append((n, other.shard_bytes))
-        result = dataclasses.replace(result, measurement=measured, fit=_fit(measured, again), other_sizes=tuple(others))
+        fitted = _fit(measured, again, result.shard_bytes, shards_at(4 * world_size))
+        others = tuple((n, shards_at(n)) for n in (at if at is not None else (8 * world_size, 64 * world_size)))
+        result = dataclasses.replace(result, measurement=measured, fit=fitted, other_sizes=others)
     if print_table:
         print(result)
     return result

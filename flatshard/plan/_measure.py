@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -36,8 +37,9 @@ __all__ = ["Fit", "Measurement", "fit", "measure", "NOT_MEASURABLE"]
 # process group]): said with every measurement.
 NOT_MEASURABLE = (
     "not measured: steps that need data only another rank has -- loading a rank0_only optimizer state "
-    "dict, set_state_dict(broadcast_from_rank0=True) or sync_module_states on ranks other than 0 -- "
-    "because torch's fake process group exchanges no data"
+    "dict or set_state_dict(broadcast_from_rank0=True) on ranks other than 0 -- because torch's fake "
+    "process group exchanges no data; and reductions take the path of a group that reduce-scatters "
+    "natively (NCCL's): on gloo each adds a receive buffer of up to one unit while it runs"
 )
 
 # The phases of the last measured step, in order; "between steps" ends after zero_grad.
@@ -59,10 +61,18 @@ class Measurement:
     optimizer_state: int
 
     def peak(self, phase: str) -> int:
-        return next(p for name, p, _ in self.peaks if name == phase)
+        """The most bytes allocated during ``phase``."""
+        return self._phase(phase)[1]
 
     def end(self, phase: str) -> int:
-        return next(e for name, _, e in self.peaks if name == phase)
+        """The bytes allocated when ``phase`` ended."""
+        return self._phase(phase)[2]
+
+    def _phase(self, phase: str) -> Tuple[str, int, int]:
+        for entry in self.peaks:
+            if entry[0] == phase:
+                return entry
+        raise ValueError(f"no phase {phase!r} was measured; the phases are {[name for name, _, _ in self.peaks]}")
 
     def value(self, phase: str) -> int:
         """``phase``'s peak (for "between steps": what stays allocated after it)."""
@@ -78,20 +88,25 @@ class Fit:
     lines: Tuple[Tuple[str, float, float], ...]  # (phase, fixed bytes, bytes per shard byte)
 
     def at(self, phase: str, shards: int) -> int:
-        """``phase``'s bytes for a rank whose parameter shards are ``shards`` bytes."""
-        fixed, per_shard = next((f, k) for name, f, k in self.lines if name == phase)
-        return int(round(fixed + per_shard * shards))
+        """``phase``'s bytes for a rank whose parameter shards are ``shards`` bytes (as the
+        planner counts them)."""
+        for name, fixed, per_shard in self.lines:
+            if name == phase:
+                return int(round(fixed + per_shard * shards))
+        raise ValueError(f"no phase {phase!r} was fitted; the phases are {list(PHASES)}")
 
 
-def fit(first: Measurement, second: Measurement) -> Fit:
+def fit(first: Measurement, second: Measurement, first_shards: int, second_shards: int) -> Fit:
     """The line through two measurements of the same model at different world sizes, phase by
-    phase (flat where the shards did not change size)."""
+    phase, against the shard bytes the planner counts at each (``first_shards``,
+    ``second_shards``: the same measure the predictions use, which leaves out ignored
+    modules' parameters). Shards that do not differ give no slope (a flat line)."""
+    span = first_shards - second_shards
     lines = []
     for phase in PHASES:
         y1, y2 = first.value(phase), second.value(phase)
-        span = first.shards - second.shards
         per_shard = (y1 - y2) / span if span else 0.0
-        lines.append((phase, y1 - per_shard * first.shards, per_shard))
+        lines.append((phase, y1 - per_shard * first_shards, per_shard))
     return Fit((first.world_size, second.world_size), tuple(lines))
 
 
@@ -120,7 +135,7 @@ def measure(
 
     from ..sharded_data_parallel import ShardedDataParallel
 
-    model = copy.deepcopy(module)  # (the caller's model stays unwrapped)
+    model = copy.deepcopy(module)  # (the caller's model stays unwrapped; on meta this costs nothing)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     kwargs = dict(wrap_kwargs)
@@ -130,6 +145,7 @@ def measure(
         kwargs["device_id"] = device
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
+        gc.collect()  # (nothing freed during the measurement may be an earlier allocation)
         with MemoryTimeline(device) as timeline:
             with timeline.phase("construction"):
                 wrapped = ShardedDataParallel(model, **kwargs)
@@ -148,12 +164,15 @@ def measure(
                         optim.zero_grad(set_to_none=True)
         params = list(wrapped.parameters())
         state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return Measurement(
+        measured = Measurement(
             world_size, rank, str(device), steps,
             tuple((name, timeline.phases[name].peak, timeline.phases[name].end) for name in ("construction",) + PHASES),
             sum(p.numel() * p.element_size() for p in params),
             gradients, state,
         )
+        del wrapped, optim, params, model
+        gc.collect()  # (a model is a reference cycle: gone before the next measurement starts)
+        return measured
     finally:
         dist.destroy_process_group()
 
