@@ -30,20 +30,19 @@ MIB = 2**20
 
 def _child(impl: str, model: str, world: int, rank: int, batch: int, seq: int) -> Dict[str, Any]:
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     from llama import CONFIGS, DecoderLayer, Llama, loss_of
 
     import flatshard
+    from flatshard._collectives import init_fake_world
     from flatshard._memory_timeline import MemoryTimeline
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
     cfg = CONFIGS[model]
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    init_fake_world(rank, world)
 
     def init(module: torch.nn.Module) -> None:
         module.to_empty(device="cpu", recurse=False)

@@ -40,13 +40,12 @@ class AgreementChecks:
     optimizer_steps: int
 
     def _check_order(self, value: int) -> None:
-        """One order check (see [Note: order check]) while checking."""
+        """One per-collective order check (a ``token``, see [Note: order check]) while
+        checking: ``_agree`` raises on any difference, since this rank's value is a token."""
         if not self.checking:
             return
         for comm in self.check_comms:
-            problem = mismatch(comm.gather_ints(value, check_device(comm, self.root.device)), [_label(u) for u in self.units])
-            if problem is not None:
-                raise RuntimeError(f"[rank {comm.rank}] the ranks ran different units ({_RULE}): {problem}")
+            self._agree(comm, value)
 
     def _check_forward_order(self, order: List[Unit]) -> None:
         """The one check every root forward makes: did all ranks run the same units in order,
@@ -92,7 +91,7 @@ class AgreementChecks:
         values = comm.gather_ints(digest, device)
         if all(v == values[0] for v in values):
             return True
-        if any(v < token(END_OF_BACKWARD + 1) for v in values):  # some rank is at a per-collective check
+        if any(v < token(END_OF_BACKWARD + 1) for v in values):  # some rank is at a per-collective check (a token)
             problem = mismatch(values, [_label(u) for u in self.units])
             raise RuntimeError(f"[rank {comm.rank}] the ranks ran different units ({_RULE}): {problem}")
         return False

@@ -108,8 +108,9 @@ def default_store() -> Any:
 def exchanges_no_data(group: ProcessGroup) -> bool:
     """Whether ``group`` is torch's fake process group.
 
-    [Note: the fake process group] ``torch.testing._internal.distributed.fake_pg`` runs one
-    process as rank r of N: collectives return at once and leave their outputs as they were.
+    [Note: the fake process group] torch's fake process group (``FakeProcessGroup``, the
+    ``"fake"`` backend; ``init_fake_world``) runs one process as rank r of N: collectives
+    return at once and leave their outputs as they were.
     flatshard runs on it for memory and scale measurements (``flatshard.plan(measure=True)``,
     the scale tests). Its own exchanges fill their outputs with this rank's contribution
     before the collective, so on the fake group every rank is taken to have sent what this
@@ -119,6 +120,30 @@ def exchanges_no_data(group: ProcessGroup) -> bool:
     of going on with this rank's own values. Parameter values gathered on it are undefined.
     """
     return "fake" in backend_of(group).lower()
+
+
+def init_fake_world(rank: int, world_size: int) -> None:
+    """Make torch's fake process group the default group, this process standing for ``rank`` of
+    ``world_size`` (see [Note: the fake process group]). torch registers the ``"fake"`` backend
+    only in its test utilities, so it is registered here where nothing has yet, through the
+    extended backend API where torch has it (older torch constructs the group directly)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if "fake" not in dist.Backend.backend_list:
+        extended = hasattr(FakeProcessGroup, "_create_internal")
+        dist.Backend.register_backend("fake", _make_fake_group, extended_api=extended, devices=["cpu", "cuda"])
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=dist.HashStore())
+
+
+def _make_fake_group(*args: Any) -> Any:
+    """The ``"fake"`` backend's constructor, for either form of torch's backend API."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if hasattr(FakeProcessGroup, "_create_internal"):
+        common, backend_options = args
+        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_options)
+    _store, rank, world_size, _timeout = args
+    return FakeProcessGroup(rank, world_size)
 
 
 def backend_of(group: ProcessGroup) -> str:

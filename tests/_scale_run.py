@@ -97,7 +97,6 @@ def _attempt(fn: Callable[[], Any]) -> str:
 
 
 def main(world: int, rank: int) -> Dict[str, Any]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from flatshard import (
         FullOptimStateDictConfig,
@@ -105,12 +104,13 @@ def main(world: int, rank: int) -> Dict[str, Any]:
         ShardedDataParallel,
         StateDictType,
     )
+    from flatshard._collectives import init_fake_world
     from flatshard._memory_timeline import MemoryTimeline
     from flatshard.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    init_fake_world(rank, world)
     tokens = torch.randint(0, VOCAB, (2, 16))
     with torch.device("meta"):
         meta = Decoder()
@@ -156,14 +156,14 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     """Each phase's peak bytes of a training step (the second), flatshard's and torch FSDP1's,
     one after the other in this process, counted from before each model is built."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from flatshard import ShardedDataParallel
+    from flatshard._collectives import init_fake_world
     from flatshard._memory_timeline import MemoryTimeline
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    init_fake_world(rank, world)
     tokens = torch.randint(0, VOCAB, (2, 16))
     found = {}
     for name in ("flatshard", "fsdp1"):

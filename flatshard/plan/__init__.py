@@ -30,7 +30,7 @@ from ..api import BackwardPrefetch, ShardingStrategy
 from ..flat_param import shard_sizes
 from ..sharded_data_parallel import ShardedDataParallel
 from ..wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
-from ._measure import NOT_MEASURABLE, PHASES, Fit, Measurement, fit as _fit, measure as _measure
+from ._measure import NOT_MEASURABLE, PHASES, Fit, Measurement, fit_phases, measure_rank
 
 __all__ = ["plan", "Plan", "UnitPlan", "GroupPlan", "Measurement"]
 
@@ -147,8 +147,8 @@ class Plan:
         busiest = max((chain_bytes(u) for u in computing), default=0)
         ahead = sorted((u.full_bytes for u in computing), reverse=True)[1:2] if self.prefetch else []
         return (
-            ("parameter shards", sum(u.shard_bytes for u in self.units)),
-            ("gradient shards", sum(u.trainable_shard_bytes for u in self.units)),
+            ("parameter shards", self.shard_bytes),
+            ("gradient shards", self.trainable_shard_bytes),
             ("gathered parameters", sum(by_name[n].full_bytes for n in kept) + busiest + sum(ahead)),
             ("unsharded gradient", max((u.trainable_full_bytes for u in sharded), default=0)),
         )
@@ -290,9 +290,9 @@ def plan(
         def shards_at(n: int) -> int:
             return plan(module, auto_wrap_policy, n, sharding_strategy, backward_prefetch, forward_prefetch, ignored_modules, ignored_states, print_table=False).shard_bytes
 
-        measured = _measure(module, wrap_kwargs, world_size, rank, example_input, loss_fn, optimizer, steps, torch.device(device))
-        again = _measure(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, example_input, loss_fn, optimizer, steps, torch.device(device))
-        fitted = _fit(measured, again, result.shard_bytes, shards_at(4 * world_size))
+        measured = measure_rank(module, wrap_kwargs, world_size, rank, example_input, loss_fn, optimizer, steps, torch.device(device))
+        again = measure_rank(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, example_input, loss_fn, optimizer, steps, torch.device(device))
+        fitted = fit_phases(measured, again, result.shard_bytes, shards_at(4 * world_size))
         others = tuple((n, shards_at(n)) for n in (at if at is not None else (8 * world_size, 64 * world_size)))
         result = dataclasses.replace(result, measurement=measured, fit=fitted, other_sizes=others)
     if print_table:

@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._collectives import init_fake_world
 from .._memory_timeline import MemoryTimeline
 
-__all__ = ["Fit", "Measurement", "fit", "measure", "NOT_MEASURABLE"]
+__all__ = ["Fit", "Measurement", "fit_phases", "measure_rank", "NOT_MEASURABLE", "PHASES"]
 
 # What cannot be measured on the fake process group (it raises there; see [Note: the fake
 # process group]): said with every measurement.
@@ -96,7 +97,7 @@ class Fit:
         raise ValueError(f"no phase {phase!r} was fitted; the phases are {list(PHASES)}")
 
 
-def fit(first: Measurement, second: Measurement, first_shards: int, second_shards: int) -> Fit:
+def fit_phases(first: Measurement, second: Measurement, first_shards: int, second_shards: int) -> Fit:
     """The line through two measurements of the same model at different world sizes, phase by
     phase, against the shard bytes the planner counts at each (``first_shards``,
     ``second_shards``: the same measure the predictions use, which leaves out ignored
@@ -110,7 +111,7 @@ def fit(first: Measurement, second: Measurement, first_shards: int, second_shard
     return Fit((first.world_size, second.world_size), tuple(lines))
 
 
-def measure(
+def measure_rank(
     module: nn.Module,
     wrap_kwargs: Dict[str, Any],
     world_size: int,
@@ -131,8 +132,6 @@ def measure(
         )
     if steps < 1:
         raise ValueError(f"steps must be at least 1 (the first creates the optimizer state); got {steps}")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from ..sharded_data_parallel import ShardedDataParallel
 
     model = copy.deepcopy(module)  # (the caller's model stays unwrapped; on meta this costs nothing)
@@ -143,7 +142,7 @@ def measure(
         kwargs["param_init_fn"] = _init_for_measuring(device)
     if device.type == "cuda":
         kwargs["device_id"] = device
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    init_fake_world(rank, world_size)
     try:
         gc.collect()  # (nothing freed during the measurement may be an earlier allocation)
         with MemoryTimeline(device) as timeline:
