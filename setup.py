@@ -9,8 +9,10 @@ EXTRAS_REQUIRE = {
     "checkpoint": ["numpy"],
     "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
     # Hugging Face models (tests/test_hf.py, examples/finetune_hf.py). transformers does not
-    # require torch, so it never replaces the torch build already installed.
-    "hf": ["transformers>=5.0"],
+    # require torch, so it never replaces the torch build already installed. safetensors: only
+    # to cross-check flatshard's own reader against the package's files
+    # (tests/test_pure_checkpoint_readers.py); load_pretrained does not need it.
+    "hf": ["transformers>=5.0", "safetensors"],
     # The benchmark's DeepSpeed ZeRO-3 row (bench/bench.py --variants ...,deepspeed). DeepSpeed
     # requires torch unpinned, so the torch build already installed stays.
     "deepspeed": ["deepspeed>=0.19"],

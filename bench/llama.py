@@ -40,6 +40,8 @@ CONFIGS: Dict[str, LlamaConfig] = {
     "1b": LlamaConfig(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=32000),
     # about 6.7B parameters: Llama-2-7B's shape
     "7b": LlamaConfig(dim=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
+    # about 310M parameters (1.2 GB in fp32): bench/load_memory.py's model
+    "300m": LlamaConfig(dim=1024, layers=16, heads=16, kv_heads=4, ffn=4096, vocab=32000),
     "tiny": LlamaConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=256),
     # 1b's structure (16 layers) at tiny size: its step time on CPU is mostly per-unit overhead
     "overhead": LlamaConfig(dim=64, layers=16, heads=4, kv_heads=2, ffn=128, vocab=256),

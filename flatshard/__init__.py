@@ -39,7 +39,8 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
-from . import run_checkpoints, state_dict, teardown
+from . import pretrained, run_checkpoints, state_dict, teardown
+from .pretrained import IncompatibleKeys, empty_init, load_pretrained
 from .run_checkpoints import Resumed, RunCheckpoints, SkippedCheckpointWarning
 from .teardown import destroy_process_group
 from .state_dict import (
@@ -102,6 +103,10 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "state_dict",
+    "pretrained",
+    "load_pretrained",
+    "empty_init",
+    "IncompatibleKeys",
     "run_checkpoints",
     "RunCheckpoints",
     "Resumed",

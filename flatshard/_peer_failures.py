@@ -166,15 +166,30 @@ class StepWatch:
                 return
             except RuntimeError as exc:
                 if work.is_completed():  # (failed, not a slice that ran out)
-                    gone = "; ".join(self._exited_peers())
-                    self.fail_wait(f"{gone + ': ' if gone else ''}its collective {what} failed: {type(exc).__name__}: {_short(exc)}")
+                    self._fail_collective(what, exc)
             self.look(started, what)
+
+    def _fail_collective(self, what: str, exc: BaseException) -> None:
+        """This rank's collective failed. A peer that left the step (and then, say, closed
+        its connections: gloo's "Connection closed by peer") wrote its record before it did,
+        so the records come first, naming that rank; else the peers whose process exited."""
+        failure = f"its collective {what} failed: {type(exc).__name__}: {_short(exc)}"
+        record = self._left_this_step()
+        if record is not None:
+            self.fail_wait(f"{record.text}, while rank {self.rank} waited in {what} ({failure})")
+        gone = "; ".join(self._exited_peers())
+        self.fail_wait(f"{gone + ': ' if gone else ''}{failure}")
+
+    def _left_this_step(self) -> Optional[_Record]:
+        """A peer's record of leaving this step (the rank that left first, before those it left
+        stuck), or ``None``."""
+        records = [r for r in map(self._read, self.peers) if r is not None and r.step == self.step]
+        return min(records, key=lambda r: r.stuck) if records else None
 
     def look(self, started: float, what: str) -> None:
         """Between slices of a wait: raise if a peer left this step or the timeout passed."""
-        records = [r for r in map(self._read, self.peers) if r is not None and r.step == self.step]
-        if records:  # (the rank that left first, before those it left stuck)
-            record = min(records, key=lambda r: r.stuck)
+        record = self._left_this_step()
+        if record is not None:
             self.fail_wait(f"{record.text}, while rank {self.rank} waited in {what}")
         if time.monotonic() - started > self.timeout_s:
             self.fail_wait(self.timeout_report(what, time.monotonic() - started))

@@ -2,6 +2,7 @@
 
     python -m tests._scale_run WORLD_SIZE RANK            # what main() saw
     python -m tests._scale_run WORLD_SIZE RANK --peaks    # peaks(): flatshard's against FSDP1's
+    python -m tests._scale_run WORLD_SIZE RANK --load CHECKPOINT   # load(): load_pretrained
 
 builds a small decoder on the meta device, wraps it (``param_init_fn``, one unit per block),
 trains three steps and goes through every state dict and optimizer state dict, saving and
@@ -192,8 +193,53 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     return found
 
 
+def source() -> Decoder:
+    """The model ``load`` reads (the test writes it to the checkpoint)."""
+    torch.manual_seed(5)
+    return Decoder()
+
+
+def load(world: int, rank: int, checkpoint: str) -> Dict[str, Any]:
+    """``load_pretrained`` into the meta-built model, wrapped with ``empty_init``: the peak
+    bytes allocated while loading, the shards' bytes, and whether every shard holds its part
+    of ``source()``."""
+    from flatshard import ShardedDataParallel, empty_init, load_pretrained
+    from flatshard._checkpointing import named_units
+    from flatshard._collectives import init_fake_world
+    from flatshard._memory_timeline import MemoryTimeline
+    from flatshard.wrap import ModuleWrapPolicy
+
+    init_fake_world(rank, world)
+    with torch.device("meta"):
+        meta = Decoder()
+    model = ShardedDataParallel(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=empty_init("cpu"))
+    gc.collect()
+    with MemoryTimeline(torch.device("cpu")) as timeline:
+        with timeline.phase("load"):
+            load_pretrained(model, checkpoint)
+    phase = timeline.phases["load"]
+    values = source().state_dict()
+    wrong = []
+    for path, unit in named_units(model):
+        for handle in unit.handles:
+            flat = torch.cat([values[f"{path}.{info.name}" if path else info.name].reshape(-1) for info in handle.param_infos])
+            start = min(rank * handle.shard_numel, flat.numel())
+            mine = flat[start : start + handle.shard_numel]
+            if not torch.equal(handle.flat_param.detach()[: mine.numel()], mine):
+                wrong.append(handle.describe())
+    dist.destroy_process_group()
+    return {
+        "peak_above_start": phase.peak - phase.start,
+        "shards": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "largest_parameter": max(v.numel() * v.element_size() for v in values.values()),
+        "wrong": wrong,
+    }
+
+
 if __name__ == "__main__":
-    if sys.argv[3:] == ["--peaks"]:
+    if sys.argv[3:4] == ["--load"]:
+        print(json.dumps(load(int(sys.argv[1]), int(sys.argv[2]), sys.argv[4])))
+    elif sys.argv[3:] == ["--peaks"]:
         print(json.dumps(peaks(int(sys.argv[1]), int(sys.argv[2]))))
     else:
         print(json.dumps(main(int(sys.argv[1]), int(sys.argv[2]))))

@@ -140,7 +140,40 @@ def _save_pretrained(rank: int, world_size: int, kind: str, orig: bool, director
     return result
 
 
+def _load_pretrained(rank: int, world_size: int, kind: str, directory: str) -> Dict[str, Any]:
+    """A model built on the meta device reads save_pretrained's safetensors with
+    load_pretrained: the plain from_pretrained model's values and tokens."""
+    from flatshard import empty_init, load_pretrained
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    if kind == "llama":  # (its rotary table is a non-persistent buffer: built for real)
+        meta.model.rotary_emb = type(meta.model.rotary_emb)(config=config)
+    layer = type(meta.model.layers[0]) if kind == "llama" else type(meta.transformer.h[0])
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    model = ShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=empty_init("cpu"))
+    result = load_pretrained(model, directory)
+    full = model.state_dict()
+    prompt = torch.tensor([[5, 6, 7]])
+    return {
+        "result": result,
+        "equal": sorted(k for k, v in plain.state_dict().items() if torch.equal(full[k], v)) == sorted(full),
+        "generate_equal": torch.equal(plain.generate(prompt, max_new_tokens=4, do_sample=False),
+                                      model.generate(prompt, max_new_tokens=4, do_sample=False)),
+    }
+
+
 class HuggingFaceTest(TestCase):
+    def test_load_pretrained_reads_save_pretrained_files_into_a_meta_built_model(self) -> None:
+        for kind in ("gpt2", "llama"):
+            with self.subTest(kind=kind), tempfile.TemporaryDirectory() as directory:
+                model, _ = tiny(kind)
+                model.save_pretrained(directory)
+                for result in self.pool.run(_load_pretrained, 2, kind, directory):
+                    self.assertEqual(result, {"result": ([], []), "equal": True, "generate_equal": True})
+
     def test_training_matches_a_single_process(self) -> None:
         for kind in ("gpt2", "llama"):
             with self.subTest(kind=kind):

@@ -256,3 +256,40 @@ class PeerExitTest(TestCase):
                     self.assertIn(f"rank {victim} (process ", text)
                     self.assertIn(") exited", text)
                     self.assertLessEqual(when - exited_at, BOUND_S, text)
+
+
+class _ClosedByPeer:
+    """A gloo ``Work`` whose peer closed its connections: the wait fails at once."""
+
+    def wait(self, timeout: Any = None) -> None:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:43757")
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_a_collective_failing_after_a_peer_left_names_that_peer() -> None:
+    # The flake this reproduces: the rank that raised settled (another peer's stuck record was
+    # there already), returned and closed its connections before this rank's wait looked at
+    # the records; the failed collective must still name the rank that left, not only gloo's
+    # "Connection closed by peer".
+    from flatshard._peer_failures import StepWatch
+
+    store = dist.HashStore()
+    watches = [StepWatch(store, "root0", rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]
+    for watch in watches:
+        watch.begin_step()
+    watches[2].leave("the forward of unit 'blocks.1'", ValueError("tripwire"))
+    try:  # (rank 1 is stuck because of it, as in the flake)
+        watches[1].look(time.monotonic(), "all_gather (unit 'blocks.2')")
+    except PeerFailedError:
+        pass
+    try:
+        watches[0].wait(_ClosedByPeer(), "all_gather (unit 'blocks.2')")
+    except PeerFailedError as exc:
+        error = str(exc)
+    assert error == (
+        "[rank 0] rank 2 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 1, while rank 0 "
+        "waited in all_gather (unit 'blocks.2') (its collective all_gather (unit 'blocks.2') failed: RuntimeError: "
+        "'[pair.cc:553] Connection closed by peer [127.0.0.1]:43757')"
+    ), error

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _RUNS = [(8, 7), (4096, 4095), (4096, 0)]
 
 
-def _rank_of_a_large_world(world: int, rank: int) -> Dict[str, Any]:
+def _rank_of_a_large_world(world: int, rank: int, *mode: str) -> Dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, "-m", "tests._scale_run", str(world), str(rank)],
+        [sys.executable, "-m", "tests._scale_run", str(world), str(rank), *mode],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     line = next((l for l in out.stdout.splitlines() if l.startswith("{")), None)
@@ -87,3 +87,32 @@ def test_a_ranks_peak_memory_is_at_most_fsdp1s(world):
     peaks = json.loads(line)
     for phase, fsdp1 in peaks["fsdp1"].items():
         assert peaks["flatshard"][phase] <= 1.02 * fsdp1, (phase, peaks)
+
+
+@pytest.mark.parametrize("form", ["safetensors", "dcp"])
+def test_loading_a_pretrained_checkpoint_holds_the_shards_and_one_saved_chunk(form, tmp_path):
+    # load_pretrained into a meta-built model at up to 4096 ranks: every shard right, and the
+    # bytes allocated while loading, beyond the shards: safetensors of the shards' dtype
+    # nothing (but the rank-agreement check's N integers); DCP about two saved chunks (one
+    # whole parameter each here: the checkpoint was saved by one process)
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from flatshard._safetensors import write_safetensors
+    from tests._scale_run import source
+
+    values = source().state_dict()
+    path = str(tmp_path / "model.safetensors") if form == "safetensors" else str(tmp_path / "dcp")
+    if form == "safetensors":
+        write_safetensors(path, values)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(dict(values), checkpoint_id=path)
+    for world, rank in [(8, 7), (4096, 0), (4096, 4095)]:
+        result = _rank_of_a_large_world(world, rank, "--load", path)
+        assert result["wrong"] == [], (world, rank, result)
+        bookkeeping = 8 * world + 4096
+        allowed = bookkeeping if form == "safetensors" else bookkeeping + 2 * result["largest_parameter"]
+        assert result["peak_above_start"] <= allowed, (form, world, rank, result)
