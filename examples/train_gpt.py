@@ -7,6 +7,8 @@
     python examples/train_gpt.py --full-checkpoint model.pt      # one file a plain model loads
     torchrun --nproc-per-node 2 --max-restarts 5 examples/train_gpt.py --steps 1000 \
         --resume ckpt --save-every 50 --keep 3                   # survives killed ranks
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29500 examples/train_gpt.py --strategy HYBRID_SHARD   # on each node
 
 Checkpoints are ``flatshard.RunCheckpoints``: ``ckpt/step-00000050/`` and so on, each published
 atomically (complete or invisible); ``--resume`` loads the newest complete one (model,
@@ -252,6 +254,7 @@ def train(args: argparse.Namespace) -> None:
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # (what torchrun says: this host runs all the ranks)
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:
@@ -277,7 +280,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--strategy", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name], default="FULL_SHARD")
+    p.add_argument(
+        "--strategy", choices=[s.name for s in ShardingStrategy], default="FULL_SHARD",
+        help="HYBRID_SHARD / _HYBRID_SHARD_ZERO2: shard within each node, replicate across nodes (the node size is "
+        "the launcher's LOCAL_WORLD_SIZE; started without torchrun, all --nproc ranks are one node)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks to start when not under torchrun")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)

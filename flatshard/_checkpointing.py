@@ -22,7 +22,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, global_rank
+from ._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, raise_on_every_rank
 from ._common import TrainingState, clean_name
 from ._errors import WrongStateError
 from ._local_shards import assemble, described_shape, is_sharded_tensor
@@ -68,7 +68,7 @@ def take_user_writes(units: Sequence[Unit], what: str) -> None:
     """Before ``what`` reads or overwrites the shards: take into them what the user wrote to the
     parameters where they do not see it (``FlatParamHandle.take_user_writes``). A rank that
     cannot (a value of the wrong shape, a split tie) raises its error and the others raise
-    naming it, before any collective of ``what`` (see [Note: raising together])."""
+    naming it, before any collective of ``what`` (see [Note: raising together] in ``_collectives``)."""
     error: Optional[Exception] = None
     try:
         for handle in (h for unit in units for h in unit.handles):
@@ -79,36 +79,16 @@ def take_user_writes(units: Sequence[Unit], what: str) -> None:
 
 
 def raise_together(units: Sequence[Unit], error: Optional[Exception], others: str) -> None:
-    """Raise on every rank if any rank has an ``error``: a rank its own, the others a
-    ``RuntimeError`` saying ``others`` (``{rank}``: the first rank that failed, a global rank).
-    Nothing happens if no rank has one.
-
-    [Note: raising together] One all-reduce (max) of two integers over the root unit's group
-    -- whether some rank failed, and ``2**62 - rank`` of the first -- and, under hybrid
-    sharding, a second over the group of the ranks holding the same shards: after both, every
-    rank of every shard group has heard. Constant size, so it costs the same at any N."""
-    me = global_rank()
-    first = me if error is not None else None
-    if units:
-        for comm in communicators(units[0]):
-            if comm.world_size == 1:
-                continue
-            flags = torch.tensor([0, 0] if first is None else [1, _BEYOND_RANKS - first], dtype=torch.int64, device=units[0].device)
-            comm.all_reduce(flags, op="max")
-            if int(flags[0]):
-                first = _BEYOND_RANKS - int(flags[1])
-    if error is not None:
-        raise error
-    if first is not None:
-        raise RuntimeError(f"[rank {me}] " + others.format(rank=first))
-
-
-_BEYOND_RANKS = 1 << 62  # (more than any rank: the first failing rank has the largest 2**62 - rank)
+    """Raise on every rank of ``units``' root groups if any rank has an ``error`` (see
+    [Note: raising together] in ``_collectives``): a rank its own, the others a
+    ``RuntimeError`` saying ``others`` (``{rank}``: the first rank that failed)."""
+    comms = communicators(units[0]) if units else []
+    raise_on_every_rank(comms, error, others, units[0].device if units else torch.device("cpu"))
 
 
 def communicators(root: Unit) -> List[Communicator]:
     """The root unit's group, then (hybrid sharding) the group of the ranks holding the same
-    shards (see [Note: raising together])."""
+    shards (see [Note: raising together] in ``_collectives``)."""
     comms = [root.comm]
     if root.replicate_group is not None:
         comms.append(Communicator(root.replicate_group))

@@ -611,6 +611,33 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
 
 
+def raise_on_every_rank(comms: Sequence[Communicator], error: Optional[BaseException], others: str, device: torch.device) -> None:
+    """Raise on every rank if any rank has an ``error``: a rank its own, the others a
+    ``RuntimeError`` saying ``others`` (``{rank}``: the first rank that failed, a global rank).
+    Nothing happens if no rank has one.
+
+    [Note: raising together] One all-reduce (max) of two integers per communicator -- whether
+    some rank failed, and ``2**62 - rank`` of the first -- in order: with a shard group then a
+    replicate group (hybrid sharding), after both every rank of every shard group has heard.
+    Constant size, so it costs the same at any N. Every rank must pass the same ``comms``."""
+    me = global_rank()
+    first = me if error is not None else None
+    for comm in comms:
+        if comm.world_size == 1:
+            continue
+        flags = torch.tensor([0, 0] if first is None else [1, _BEYOND_RANKS - first], dtype=torch.int64, device=device)
+        comm.all_reduce(flags, op="max")
+        if int(flags[0]):
+            first = _BEYOND_RANKS - int(flags[1])
+    if error is not None:
+        raise error
+    if first is not None:
+        raise RuntimeError(f"[rank {me}] " + others.format(rank=first))
+
+
+_BEYOND_RANKS = 1 << 62  # (more than any rank: the first failing rank has the largest 2**62 - rank)
+
+
 def object_device(group: ProcessGroup) -> torch.device:
     """Where object payloads travel: NCCL communicates CUDA tensors only."""
     if "nccl" in backend_of(group):

@@ -10,7 +10,7 @@ has queued work again (measured on an H100: the step ~25% slower than torch FSDP
 checks nothing). So the checks gather CPU tensors: through the group itself where its backend
 takes them (gloo, a ``cpu:gloo,cuda:nccl`` group, the fake backend), otherwise through a gloo
 group of the same ranks made once per root (``dist.new_group`` over the group's ranks, which
-only those ranks join). The host then waits only for the other ranks' hosts to reach the same
+only those ranks join, with the group's own timeout). The host then waits only for the other ranks' hosts to reach the same
 point, which the collectives that follow would wait for anyway.
 
 Where a gloo group cannot be made (gloo cannot reach the other hosts on this network), the
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._collectives import Communicator, ProcessGroup, backend_of
+from ._collectives import Communicator, ProcessGroup, backend_of, timeout_of
 
 __all__ = ["check_device", "host_check_comm", "takes_cpu_tensors"]
 
@@ -46,7 +46,8 @@ def host_check_comm(comm: Communicator, make_group: Optional[Callable[..., Proce
     make = make_group or dist.new_group
     ranks = dist.get_process_group_ranks(group)
     try:
-        side = make(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        # (the user's timeout, not torch's default: a check that waits is a step that waits)
+        side = make(ranks=ranks, backend="gloo", use_local_synchronization=True, timeout=timeout_of(group))
     except (RuntimeError, ValueError) as exc:
         warnings.warn(
             f"flatshard could not make a gloo group of ranks {ranks} for its per-step agreement "

@@ -22,7 +22,7 @@ at the end, so every view shows the loaded values at once.
 
 Reading is local -- no collective moves data -- so its cost does not grow with the world
 size. Constant-size collectives keep the ranks together ([Note: raising together] in
-``_checkpointing``): after taking the user's writes, after planning (any rank's error, say a
+``_collectives``): after taking the user's writes, after planning (any rank's error, say a
 file missing on one node, raises on every rank before anything is written), on a digest of
 what each rank is about to read -- keys, shapes, dtypes and a sampled digest of the files, so
 ranks given different checkpoints (another step of the same run, say) are named -- and after

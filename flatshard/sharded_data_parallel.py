@@ -18,6 +18,7 @@ from ._fsdp_markers import mark_fsdp_managed
 from ._generate import generate_gathered
 from ._init import build_unit
 from ._module_state_dict import route_state_dict, skips_in_tree_walk
+from ._node_groups import NodeGroups
 from ._options import ConstructionOptions
 from ._planning import make_plan, unit_options
 from ._runtime import no_sync, run_forward
@@ -119,9 +120,11 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         # Taken before any other local exists: exactly the arguments (see [Note: one list of options]).
         options = ConstructionOptions.from_constructor(locals())
+        node_groups = NodeGroups()  # (hybrid sharding without groups: one set for the whole plan)
+        options = node_groups.fill(options)
         owned = None
         if options.auto_wrap_policy is not None:
-            owned = _wrap_planned_units(module, options)
+            owned = _wrap_planned_units(module, options, node_groups)
             options = options.for_unit({})  # the root unit's own options: planned, so without the policy
         self._unit = build_unit(module, options, owned)
         self._fsdp_wrapped_module = module
@@ -720,14 +723,15 @@ def _optim_checks(model: nn.Module, optim: Any, optim_input: Any, group: Optiona
     _check_group(model, group)
 
 
-def _wrap_planned_units(root: nn.Module, options: ConstructionOptions) -> List[OrigParam]:
+def _wrap_planned_units(root: nn.Module, options: ConstructionOptions, node_groups: NodeGroups) -> List[OrigParam]:
     """Apply the auto-wrap policy in ``options``: check the whole plan, then build every
-    inner unit (innermost first) in place and return what the root unit itself flattens."""
+    inner unit (innermost first) in place and return what the root unit itself flattens. A
+    unit the policy makes hybrid without groups gets the plan's default ones (``node_groups``)."""
     if not isinstance(root, nn.Module) or isinstance(root, ShardedDataParallel):
         return []  # build_unit reports it
     plan = make_plan(root, options)
     for unit in plan[:-1]:
-        wrapper = ShardedDataParallel._planned(unit.module, unit_options(options, unit), unit.params, unit.name)
+        wrapper = ShardedDataParallel._planned(unit.module, node_groups.fill(unit_options(options, unit)), unit.params, unit.name)
         for parent, attr in unit.slots:
             setattr(parent, attr, wrapper)
     return plan[-1].params

@@ -40,6 +40,21 @@ def _check_groups(rank: int, world_size: int) -> List[Any]:
         return [comm.group is dist.group.WORLD, dist.get_process_group_ranks(comm.group), check_device(comm, torch.device("meta")).type]
 
 
+def _side_group_timeout(rank: int, world_size: int) -> float:
+    """The side group of a user's group with its own timeout: the same timeout (torch's
+    default is 30 minutes, and FSDP1's HYBRID_SHARD groups ignored the user's)."""
+    from datetime import timedelta
+
+    from flatshard._collectives import timeout_of
+
+    group = dist.new_group(timeout=timedelta(seconds=17))
+    with mock.patch("flatshard._host_checks.takes_cpu_tensors", lambda g: g is not group):
+        model = ShardedDataParallel(build(), process_group=group)
+        model(local(batch(0, world_size)[0], rank)).sum().backward()
+        (comm,) = model._unit.ctx.check_comms
+        return comm.group is not group and timeout_of(comm.group).total_seconds()
+
+
 def _parity_with_side_group(rank: int, world_size: int) -> None:
     with _world_takes_no_cpu_tensors():
         run_parity(rank, world_size, "nested")
@@ -98,6 +113,9 @@ class HostChecksTest(TestCase):
             self.assertFalse(is_world)
             self.assertEqual(ranks, [0, 1])
             self.assertEqual(device, "cpu")
+
+    def test_the_side_group_has_the_users_timeout(self) -> None:
+        self.assertEqual(self.pool.run(_side_group_timeout, 2), [17.0, 17.0])
 
     def test_training_through_the_side_group_matches_single_process(self) -> None:
         self.pool.run(_parity_with_side_group, 2)
