@@ -7,8 +7,9 @@
     python examples/train_gpt.py --full-checkpoint model.pt      # one file a plain model loads
     torchrun --nproc-per-node 2 --max-restarts 5 examples/train_gpt.py --steps 1000 \
         --resume ckpt --save-every 50 --keep 3                   # survives killed ranks
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29500 examples/train_gpt.py --strategy HYBRID_SHARD   # on each node
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29500 --max-restarts 3 examples/train_gpt.py \
+        --strategy HYBRID_SHARD --resume ckpt --save-every 50          # on each node
 
 Checkpoints are ``flatshard.RunCheckpoints``: ``ckpt/step-00000050/`` and so on, each published
 atomically (complete or invisible); ``--resume`` loads the newest complete one (model,

@@ -158,13 +158,16 @@ def backend_of(group: ProcessGroup) -> str:
 
 
 def timeout_of(group: ProcessGroup) -> timedelta:
-    """The timeout ``group``'s collectives give up after (torch's default where the backend
-    does not say)."""
-    try:
-        timeout = group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout
-    return timeout if isinstance(timeout, timedelta) else dist.default_pg_timeout
+    """The timeout ``group``'s collectives give up after: its CPU backend's, else its CUDA
+    backend's (a plain NCCL group has only that one); torch's default where neither says."""
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
 
 
 class Pending:

@@ -240,7 +240,8 @@ def _check_hybrid_groups(strategy: ShardingStrategy, process_group: Any, device_
                 f"_HYBRID_SHARD_ZERO2); pass a 1-D mesh"
             )
     elif hybrid:
-        if not (isinstance(process_group, tuple) and len(process_group) == 2 and all(g is not None for g in process_group)):
+        # (none at all: the default groups per node, given by the constructor before building)
+        if process_group is not None and not (isinstance(process_group, tuple) and len(process_group) == 2 and all(g is not None for g in process_group)):
             raise ValueError(
                 f"sharding_strategy=ShardingStrategy.{strategy.name} needs process_group=(shard_group, "
                 f"replicate_group) or a 2-D device_mesh (replicate, shard); got process_group={process_group!r}"
@@ -259,6 +260,8 @@ def _resolve_groups(strategy: ShardingStrategy, process_group: Any, device_mesh:
     if device_mesh is not None:
         return (device_mesh.get_group(1), device_mesh.get_group(0)) if hybrid else (device_mesh.get_group(), None)
     if hybrid:
+        if process_group is None:
+            raise AssertionError(f"hybrid sharding reached a unit without its groups (the constructor gives the default ones); strategy {strategy.name}")
         return process_group[0], process_group[1]
     return (process_group if process_group is not None else default_group()), None
 

@@ -6,81 +6,127 @@ the gradient shards over the ranks that hold the same shard on the other nodes, 
 default. flatshard learns the ranks per node from the launcher's ``LOCAL_WORLD_SIZE`` (torchrun
 sets it; so can a SLURM script), and relies on torchrun's numbering: the ranks of node ``n`` are
 ``n * L ... n * L + L - 1``. Where ``GROUP_RANK`` (torchrun's node index) says otherwise, or
-``L`` does not divide the world, or nothing says ``L``, construction raises instead of guessing.
+``L`` does not divide the world, or nothing says ``L``, construction raises instead of guessing;
+ranks that disagree on ``L`` raise too (one constant-size comparison), all before any group is
+made, so no rank is left waiting in ``new_group``.
 
-The groups are made once per constructor call: an auto-wrap plan's units share them, so every
-unit's collectives run over the same groups. Each group gets the default group's timeout (the
-one the user gave ``init_process_group``), not torch's default -- FSDP1's HYBRID_SHARD groups
-got torch's default. Every rank makes every group, in the same order (``new_group`` needs it).
+Every unit with default groups uses the same two groups, also units built by separate
+constructor calls (blocks wrapped by hand, then the root): the groups carry a description
+naming ``L`` and the timeout, and a later call finds them in torch's registry instead of making
+more (one communicator per group under NCCL, and ``clip_grad_norm_`` needs one set). Every
+rank has the same construction history, so every rank finds them, or every rank makes them,
+each rank making every group in the same order (``new_group`` needs it). Each group gets the
+default group's timeout (the one the user gave ``init_process_group``), not torch's default,
+which FSDP1's HYBRID_SHARD groups had.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ._collectives import (
     Communicator,
     ProcessGroup,
     default_group,
+    fingerprint,
     global_rank,
     object_device,
     raise_on_every_rank,
+    registered_groups,
     require_initialized,
     size_of,
     timeout_of,
 )
 from ._common import coerce_enum
+from ._host_checks import takes_cpu_tensors
 from ._options import ConstructionOptions
 from .api import ShardingStrategy
 
-__all__ = ["NodeGroups", "node_groups"]
+__all__ = ["NodeGroups", "node_groups", "ranks_per_node"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
-def node_groups(strategy: ShardingStrategy) -> Tuple[ProcessGroup, ProcessGroup]:
-    """(this rank's node's group, the group of the ranks at its place on every node), made
-    over the default group (see [Note: groups per node]). Collective: every rank calls it; a
-    rank whose launcher settings do not fit raises, and so does every other (no rank is left
-    waiting in ``new_group``)."""
+def node_groups(strategy: ShardingStrategy, device: torch.device) -> Tuple[ProcessGroup, ProcessGroup]:
+    """(this rank's node's group, the group of the ranks at its place on every node), over the
+    default group (see [Note: groups per node]). Collective: every rank calls it. ``device``:
+    where the ranks' comparison runs under a backend without CPU tensors (NCCL)."""
     require_initialized()
     world, rank = size_of(default_group()), global_rank()
     per_node: Optional[int] = None
     error: Optional[ValueError] = None
     try:
-        per_node = _ranks_per_node(strategy, world, rank)
+        per_node = ranks_per_node(strategy, world, rank)
     except ValueError as exc:
         error = exc
+    comm = Communicator(default_group())
+    where = torch.device("cpu") if takes_cpu_tensors(default_group()) else device
     raise_on_every_rank(
-        [Communicator(default_group())], error,
+        [comm], error,
         f"sharding_strategy=ShardingStrategy.{strategy.name}: no node groups were made, because rank {{rank}}'s "
         f"launcher settings do not fit (see its error)",
-        object_device(default_group()),
+        where,
     )
     if per_node is None:
         raise AssertionError(f"[rank {rank}] node groups: no ranks per node and no error")
     timeout = timeout_of(default_group())
-    node = rank // per_node
+    description = f"flatshard node groups, {per_node} ranks per node, timeout {timeout.total_seconds():g} s"
+    found = _registered(description, rank, per_node, world)
+    if not comm.agree(fingerprint(f"{per_node} {found is not None}"), where):
+        raise ValueError(
+            f"[rank {rank}] sharding_strategy=ShardingStrategy.{strategy.name} without process_group: the ranks "
+            f"disagree on LOCAL_WORLD_SIZE (this rank: {per_node}) or on which node groups they made before; every "
+            f"rank must see the same LOCAL_WORLD_SIZE"
+        )
+    return found if found is not None else _make(description, rank, per_node, world, timeout)
+
+
+def _registered(description: str, rank: int, per_node: int, world: int) -> Optional[Tuple[ProcessGroup, ProcessGroup]]:
+    """This rank's node groups if an earlier call made them (and they are still alive)."""
+    wanted = (list(range(rank - rank % per_node, rank - rank % per_node + per_node)), list(range(rank % per_node, world, per_node)))
+    mine: List[Optional[ProcessGroup]] = [None, None]
+    for group in registered_groups():
+        if getattr(group, "group_desc", None) != description:
+            continue
+        ranks = dist.get_process_group_ranks(group)
+        for i, expected in enumerate(wanted):
+            if ranks == expected and mine[i] is None:
+                mine[i] = group
+    shard, replicate = mine
+    return (shard, replicate) if shard is not None and replicate is not None else None
+
+
+def _make(description: str, rank: int, per_node: int, world: int, timeout: Any) -> Tuple[ProcessGroup, ProcessGroup]:
     shard: Optional[ProcessGroup] = None
     replicate: Optional[ProcessGroup] = None
     for n in range(world // per_node):
-        group = dist.new_group(list(range(n * per_node, (n + 1) * per_node)), timeout=timeout)
-        shard = group if n == node else shard
+        group = _new_group(list(range(n * per_node, (n + 1) * per_node)), timeout, description)
+        shard = group if n == rank // per_node else shard
     for place in range(per_node):
-        group = dist.new_group(list(range(place, world, per_node)), timeout=timeout)
+        group = _new_group(list(range(place, world, per_node)), timeout, description)
         replicate = group if place == rank % per_node else replicate
     if shard is None or replicate is None:
         raise AssertionError(f"[rank {rank}] no node group made for rank {rank} of {world} (per node: {per_node})")
     return shard, replicate
 
 
-def _ranks_per_node(strategy: ShardingStrategy, world: int, rank: int) -> int:
-    """``LOCAL_WORLD_SIZE``, checked against the world and the launcher's node index."""
-    what = f"[rank {rank}] sharding_strategy=ShardingStrategy.{strategy.name} without process_group or device_mesh"
+def _new_group(ranks: List[int], timeout: Any, description: str) -> ProcessGroup:
+    try:
+        return dist.new_group(ranks, timeout=timeout, group_desc=description)
+    except TypeError:  # (a torch without group descriptions: later calls make their own groups)
+        return dist.new_group(ranks, timeout=timeout)
+
+
+def ranks_per_node(strategy: ShardingStrategy, world: int, rank: Optional[int] = None) -> int:
+    """``LOCAL_WORLD_SIZE``, checked against the world and (given ``rank``) the launcher's node
+    index ``GROUP_RANK``; raises ``ValueError`` naming what does not fit. Also the planner's
+    shard-group size for hybrid sharding without groups."""
+    what = f"sharding_strategy=ShardingStrategy.{strategy.name} without process_group or device_mesh"
     hint = "launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)"
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     if raw is None:
@@ -97,9 +143,9 @@ def _ranks_per_node(strategy: ShardingStrategy, world: int, rank: int) -> int:
             f"every node needs as many ranks ({hint})"
         )
     launcher_node = os.environ.get("GROUP_RANK", "").strip()
-    if launcher_node.isdigit() and int(launcher_node) != rank // per_node:
+    if rank is not None and launcher_node.isdigit() and int(launcher_node) != rank // per_node:
         raise ValueError(
-            f"{what}: the launcher puts this rank on node {launcher_node} (GROUP_RANK), but with "
+            f"[rank {rank}] {what}: the launcher puts this rank on node {launcher_node} (GROUP_RANK), but with "
             f"LOCAL_WORLD_SIZE={per_node} rank {rank} would be on node {rank // per_node}: the ranks are not "
             f"numbered node by node ({hint})"
         )
@@ -107,8 +153,8 @@ def _ranks_per_node(strategy: ShardingStrategy, world: int, rank: int) -> int:
 
 
 class NodeGroups:
-    """The default hybrid groups of one constructor call, made when a unit first needs them
-    (see [Note: groups per node])."""
+    """The default hybrid groups of one constructor call, found or made when a unit first needs
+    them (see [Note: groups per node])."""
 
     def __init__(self) -> None:
         self.groups: Optional[Tuple[ProcessGroup, ProcessGroup]] = None
@@ -119,5 +165,15 @@ class NodeGroups:
         if strategy not in _HYBRID or options.process_group is not None or options.device_mesh is not None:
             return options
         if self.groups is None:
-            self.groups = node_groups(strategy)
+            self.groups = node_groups(strategy, _device(options.device_id))
         return dataclasses.replace(options, process_group=self.groups)
+
+
+def _device(device_id: Any) -> torch.device:
+    """Where a comparison over the default group runs under NCCL: the unit's device when the
+    user names it (the current CUDA device may be every rank's cuda:0), else the current one."""
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, torch.device) and device_id.type == "cuda":
+        return device_id
+    return object_device(default_group())

@@ -120,13 +120,12 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         # Taken before any other local exists: exactly the arguments (see [Note: one list of options]).
         options = ConstructionOptions.from_constructor(locals())
-        node_groups = NodeGroups()  # (hybrid sharding without groups: one set for the whole plan)
-        options = node_groups.fill(options)
+        node_groups = NodeGroups()  # (hybrid sharding without groups: the default ones, per unit)
         owned = None
         if options.auto_wrap_policy is not None:
             owned = _wrap_planned_units(module, options, node_groups)
             options = options.for_unit({})  # the root unit's own options: planned, so without the policy
-        self._unit = build_unit(module, options, owned)
+        self._unit = build_unit(module, node_groups.fill(options), owned)
         self._fsdp_wrapped_module = module
         self._state_dict_route = route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
         mark_fsdp_managed(self, options.use_orig_params)  # see [Note: FSDP markers]

@@ -224,8 +224,8 @@ class ErrorTest(TestCase):
         self.assertExpectedInline(
             "\n".join(self.error(case) for case in ("hybrid", "hybrid_zero2", "group_pair", "mesh_2d", "hybrid_1d_mesh")),
             """\
-ValueError: [rank 0] sharding_strategy=ShardingStrategy.HYBRID_SHARD without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
-ValueError: [rank 0] sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
+ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
+ValueError: sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
 ValueError: process_group as a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2
 ValueError: a 2-D device_mesh is for hybrid sharding (sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2); pass a 1-D mesh
 ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs a 2-D device_mesh (replicate, shard); got a 1-D one""",

@@ -55,7 +55,11 @@ def _two_launchers(strategy: str, full: Path) -> List[str]:
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
+                proc.terminate()  # (torchrun stops its workers, which run in sessions of their own)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n\n".join(outs)[-6000:]
     return outs
 

@@ -24,6 +24,7 @@ from .._common import clean_name
 import torch.distributed as dist
 
 from .._init import check_options, group_params
+from .._node_groups import ranks_per_node
 from .._options import ConstructionOptions
 from .._planning import PlannedUnit, make_plan, unit_options
 from ..api import BackwardPrefetch, ShardingStrategy
@@ -307,6 +308,8 @@ def _unit_plan(unit: PlannedUnit, options: ConstructionOptions, world_size: int)
     group = own.process_group  # (``plan`` takes none: only a policy's override sets one)
     if group is not None:  # (a group exists only if initialised; hybrid: the shard group of the pair)
         size = dist.get_world_size(group[0] if isinstance(group, tuple) else group)
+    elif config.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2) and own.device_mesh is None:
+        size = ranks_per_node(config.sharding_strategy, world_size)  # (the default groups: one per node)
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     groups = []
     for members in group_params(unit.params):
