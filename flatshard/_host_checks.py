@@ -10,8 +10,8 @@ has queued work again (measured on an H100: the step ~25% slower than torch FSDP
 checks nothing). So the checks gather CPU tensors: through the group itself where its backend
 takes them (gloo, a ``cpu:gloo,cuda:nccl`` group, the fake backend), otherwise through a gloo
 group of the same ranks made once per root (``dist.new_group`` over the group's ranks, which
-only those ranks join, with the group's own timeout). The host then waits only for the other ranks' hosts to reach the same
-point, which the collectives that follow would wait for anyway.
+only those ranks join, with the group's own timeout). The host then waits only for the other
+ranks' hosts to reach the same point, which the collectives that follow would wait for anyway.
 
 Where a gloo group cannot be made (gloo cannot reach the other hosts on this network), the
 checks run on the device, as before, with a warning that says what it costs.

@@ -6,7 +6,8 @@ HYBRID_SHARD --resume DIR --save-every 4``, as the README's recipe says.
   torchrun restarts the group, ``--resume`` loads the newest complete checkpoint, and the run
   ends bit-identical (``torch.equal``) to an uninterrupted one: weights, optimizer state, step,
   data position and every rank's RNG state.
-- A whole launcher SIGKILLed with its workers mid-step, and started again: the same.
+- A whole launcher SIGKILLed with its workers, mid-step or mid-save, and started again: the
+  same.
 - With ``--nnodes 1:2``, a launcher killed for good: the other goes on alone at half the world
   size (2 × 2 → 1 × 2), from the newest checkpoint; its final model equals single-process
   training on the batches each step saw (four ranks' before the resumed step, two ranks' after).
@@ -146,15 +147,20 @@ def _workers(launcher: subprocess.Popen) -> List[int]:
     return found
 
 
+def _wait_for_a_save(run: Run) -> None:
+    """Until a checkpoint is being written (a new ``.partial-`` directory)."""
+    before = _partials(run.directory)
+    deadline = time.monotonic() + 120
+    while not (_partials(run.directory) - before):
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.001)
+
+
 def _kill_a_worker(run: Run, launcher: int, when: str) -> str:
     """SIGKILL one worker of launcher ``launcher``: ``mid-step`` once step 6 of the current
     attempt is logged, ``mid-save`` while a checkpoint is being written."""
     if when == "mid-save":
-        before = _partials(run.directory)
-        deadline = time.monotonic() + 120
-        while not (_partials(run.directory) - before):
-            assert time.monotonic() < deadline, "no checkpoint was written"
-            time.sleep(0.001)
+        _wait_for_a_save(run)
     for victim in _workers(run.launchers[launcher]):
         try:
             os.kill(victim, signal.SIGKILL)
@@ -220,12 +226,15 @@ def test_a_killed_worker_mid_step_and_mid_save_costs_only_the_steps_since_the_ch
     print("; ".join(report))
 
 
-def test_a_killed_launcher_started_again_costs_only_the_steps_since_the_checkpoint(tmp_path: Path, reference: Dict[str, object]) -> None:
+@pytest.mark.parametrize("when", ["mid-step", "mid-save"])
+def test_a_killed_launcher_started_again_costs_only_the_steps_since_the_checkpoint(tmp_path: Path, reference: Dict[str, object], when: str) -> None:
     directory = tmp_path / "killed"
     run = Run(directory, "2", _free_port())
     run.launch(), run.launch()
     try:
         run.wait_for(f"step {6:4d}  ")
+        if when == "mid-save":
+            _wait_for_a_save(run)
         _kill_launcher(run, 1)
         run.launch()  # the node comes back
         run.finish()
