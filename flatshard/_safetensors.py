@@ -158,7 +158,7 @@ def write_safetensors(file: str, tensors: Mapping[str, torch.Tensor]) -> None:
         for tensor in tensors.values():
             data = tensor.detach().to("cpu").contiguous()
             if data.numel():
-                f.write(memoryview((ctypes.c_char * (data.numel() * data.element_size())).from_address(data.data_ptr())))
+                f.write(_bytes_of(data))
 
 
 def _fill(stream: BinaryIO, offset: int, dest: torch.Tensor, key: str) -> None:
@@ -166,7 +166,7 @@ def _fill(stream: BinaryIO, offset: int, dest: torch.Tensor, key: str) -> None:
     nbytes = dest.numel()
     if nbytes == 0:
         return
-    window = memoryview((ctypes.c_char * nbytes).from_address(dest.data_ptr())).cast("B")
+    window = _bytes_of(dest)
     stream.seek(offset)
     done = 0
     while done < nbytes:
@@ -174,6 +174,11 @@ def _fill(stream: BinaryIO, offset: int, dest: torch.Tensor, key: str) -> None:
         if not got:
             raise ValueError(f"{stream.name!r} ends before the data of key '{key}' does (truncated file)")
         done += got
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous, non-empty CPU tensor, writable in place (no NumPy needed)."""
+    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())).cast("B")
 
 
 def _read_header(file: str) -> Mapping[str, Union[Tuple[StoredTensor, int], str]]:

@@ -200,6 +200,30 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.to(logits.device).flatten())
 
 
+def step_on_global_batch(model: nn.Module, optim: torch.optim.Optimizer, step: int, rank: Optional[int] = None, world_size: int = 1, rows: int = 12) -> None:
+    """One optimizer step on ``step``'s global batch of ``rows`` rows (the same on every rank);
+    with ``rank``, on its even slice of them only (``rows`` divisible by ``world_size``)."""
+    tokens, targets = batch(step, 1, per_rank=rows)
+    if rank is not None:
+        mine = rows // world_size
+        tokens, targets = tokens[rank * mine : (rank + 1) * mine], targets[rank * mine : (rank + 1) * mine]
+    lm_loss(model(tokens), targets).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def dcp_save_in_one_process(state: Dict[str, Any], path: str) -> None:
+    """``torch.distributed.checkpoint.save`` from a process without a process group (which it
+    does as one process, saying so in a warning that is expected here)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=path)
+
+
 def make_optim(params: Any, weight_decay: float = 0.01) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=weight_decay)
 

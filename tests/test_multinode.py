@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ SHAPE = {"layers": 2, "dim": 32, "heads": 4, "seq": 16, "batch": 2, "vocab": 64}
 STRATEGIES = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "FULL_SHARD"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _two_launchers(strategy: str, full: Path) -> List[str]:
     """Run the example on two launchers of two ranks each; their outputs."""
-    port = _free_port()
+    port = free_port()
     flags = [f"--{k}={v}" for k, v in SHAPE.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [
@@ -64,8 +64,9 @@ def _two_launchers(strategy: str, full: Path) -> List[str]:
     return outs
 
 
-def _single_process() -> Dict[str, torch.Tensor]:
-    """The example's model and loss in one process, each step on the four ranks' batches."""
+def single_process(steps: int, ranks_at: Callable[[int], int]) -> Dict[str, torch.Tensor]:
+    """The example's model and loss in one process, each step on the batches of the ranks that
+    ran it (``ranks_at(step)`` of them, concatenated)."""
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import train_gpt as example
@@ -74,13 +75,27 @@ def _single_process() -> Dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = example.GPT(SHAPE["vocab"], SHAPE["dim"], SHAPE["layers"], SHAPE["heads"], SHAPE["seq"])
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(1, STEPS + 1):
-        tokens = torch.cat([example.markov_batch(step, r, SHAPE["batch"], SHAPE["seq"], SHAPE["vocab"]) for r in range(NODES * PER_NODE)])
+    for step in range(1, steps + 1):
+        tokens = torch.cat([example.markov_batch(step, r, SHAPE["batch"], SHAPE["seq"], SHAPE["vocab"]) for r in range(ranks_at(step))])
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_trained_as(trained: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], steps: int, where: str) -> None:
+    """``trained`` holds ``expected``'s values, up to the reduction order."""
+    dim = SHAPE["dim"]
+    for key, value in expected.items():
+        got = trained[key]
+        if key.endswith("attn.qkv.bias"):
+            # The key bias's gradient is exactly zero in exact arithmetic (softmax ignores a
+            # shift of all scores), so AdamW turns rounding noise into steps of up to lr in
+            # either direction: it is held to lr × steps; the query and value biases as the rest.
+            torch.testing.assert_close(got[dim : 2 * dim], value[dim : 2 * dim], rtol=0, atol=3e-3 * steps)
+            got, value = torch.cat([got[:dim], got[2 * dim :]]), torch.cat([value[:dim], value[2 * dim :]])
+        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {key}: {m}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -90,15 +105,6 @@ def test_two_nodes_under_torchrun_train_as_one_process(strategy: str, tmp_path: 
     header = next(line for out in outs for line in out.splitlines() if " ranks, " in line)
     assert header.startswith("4 ranks, ") and strategy in header, header
     trained = torch.load(full, weights_only=True)
-    expected = _single_process()
+    expected = single_process(STEPS, lambda step: NODES * PER_NODE)
     assert list(trained) == list(expected)
-    dim = SHAPE["dim"]
-    for key, value in expected.items():
-        got = trained[key]
-        if key.endswith("attn.qkv.bias"):
-            # The key bias's gradient is exactly zero in exact arithmetic (softmax ignores a
-            # shift of all scores), so AdamW turns rounding noise into steps of up to lr in
-            # either direction: it is held to lr × steps; the query and value biases as the rest.
-            torch.testing.assert_close(got[dim : 2 * dim], value[dim : 2 * dim], rtol=0, atol=3e-3 * STEPS)
-            got, value = torch.cat([got[:dim], got[2 * dim :]]), torch.cat([value[:dim], value[2 * dim :]])
-        torch.testing.assert_close(got, value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{strategy}: {key}: {m}")
+    assert_trained_as(trained, expected, STEPS, strategy)

@@ -19,7 +19,7 @@ from expecttest import TestCase
 from flatshard._collectives import broadcast_object
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
 from tests._memory import track_allocations
-from tests._models import Block, batch, build, lm_loss
+from tests._models import Block, batch, build, lm_loss, step_on_global_batch
 
 GLOBAL_ROWS = 12
 OPTIMIZERS = {
@@ -46,13 +46,7 @@ def _groups(named):
 
 
 def _step(model, optim, step, rank=None, world_size=1):
-    tokens, targets = batch(step, 1, per_rank=GLOBAL_ROWS)
-    if rank is not None:
-        rows = GLOBAL_ROWS // world_size
-        tokens, targets = tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
-    lm_loss(model(tokens), targets).backward()
-    optim.step()
-    optim.zero_grad()
+    step_on_global_batch(model, optim, step, rank, world_size, rows=GLOBAL_ROWS)
 
 
 def _reference(name, steps, **model_options):

@@ -31,7 +31,7 @@ from flatshard import (
 )
 from flatshard._safetensors import SafetensorsReader, write_safetensors
 from flatshard._stored import Piece
-from tests._models import Block, batch, build, lm_loss
+from tests._models import Block, batch, build, dcp_save_in_one_process, lm_loss, step_on_global_batch
 
 K = 2
 ROWS = 12  # global batch rows (divisible by 2 and 3)
@@ -43,18 +43,8 @@ def _source():
     initialiser's."""
     model = build(SOURCE_SEED)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, optim, 99)
+    step_on_global_batch(model, optim, 99, rows=ROWS)
     return model
-
-
-def _step(model, optim, step, rank=None, world_size=1):
-    tokens, targets = batch(step, 1, per_rank=ROWS)
-    if rank is not None:
-        rows = ROWS // world_size
-        tokens, targets = tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
-    lm_loss(model(tokens), targets).backward()
-    optim.step()
-    optim.zero_grad()
 
 
 def _write_checkpoints(directory):
@@ -74,10 +64,8 @@ def _write_checkpoints(directory):
     with open(os.path.join(hf, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     low = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    with warnings.catch_warnings():  # (that it saves in one process: it is told so)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(dict(state), checkpoint_id=os.path.join(directory, "dcp"))
-        dcp.save({"model": low, "optim": {"lr": 0.5, "m": torch.ones(3)}}, checkpoint_id=os.path.join(directory, "dcp_bf16"))
+    dcp_save_in_one_process(dict(state), os.path.join(directory, "dcp"))
+    dcp_save_in_one_process({"model": low, "optim": {"lr": 0.5, "m": torch.ones(3)}}, os.path.join(directory, "dcp_bf16"))
 
 
 def _hf_rename(key):
@@ -162,7 +150,7 @@ def _reference_trained():
     model = _source()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(K):
-        _step(model, optim, step)
+        step_on_global_batch(model, optim, step, rows=ROWS)
     return model
 
 
@@ -190,7 +178,7 @@ def _save_sharded(rank, world_size, directory):
     model = ShardedDataParallel(build(3), auto_wrap_policy=ModuleWrapPolicy({Block}))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(K):
-        _step(model, optim, step, rank, world_size)
+        step_on_global_batch(model, optim, step, rank, world_size, rows=ROWS)
     with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save(model.state_dict(), checkpoint_id=directory)
     return _full_state(model)
@@ -247,17 +235,20 @@ class PretrainedLoadTest(TestCase):
         shutil.rmtree(cls.directory, True)
         super().tearDownClass()
 
+    def _assert_loaded_exactly(self, result, state, expected, where):
+        """Nothing missing or unexpected, and the full state dict is ``expected``, bit for bit."""
+        self.assertEqual(result, flatshard.IncompatibleKeys([], []), where)
+        self.assertEqual(list(state), list(expected), where)
+        for key, value in expected.items():
+            self.assertTrue(torch.equal(state[key], value), f"{where}: {key}")
+
     def test_every_checkpoint_form_and_option_holds_the_source_exactly(self):
         expected = _source().state_dict()
         for world_size in (2, 3):
             for (source, option), (result, state) in self.pool.run(_load_everything, world_size, self.directory)[0].items():
-                where = f"{source}, {option}, {world_size} ranks"
-                self.assertEqual(result, flatshard.IncompatibleKeys([], []), where)
-                self.assertEqual(list(state), list(expected), where)
-                for key, value in expected.items():
-                    low = source == "dcp_bf16"
-                    want = value.to(torch.bfloat16).to(value.dtype) if low else value
-                    self.assertTrue(torch.equal(state[key], want), f"{where}: {key}")
+                low = source == "dcp_bf16"
+                want = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in expected.items()} if low else expected
+                self._assert_loaded_exactly(result, state, want, f"{source}, {option}, {world_size} ranks")
 
     def test_training_after_the_load_is_single_process_training(self):
         reference = _reference_trained()
@@ -275,20 +266,14 @@ class PretrainedLoadTest(TestCase):
         directory = os.path.join(self.directory, "saved_sharded")
         saved = self.pool.run(_save_sharded, 2, directory)[0]
         for result, state in self.pool.run(_load_sharded, 3, directory):
-            self.assertEqual(result, flatshard.IncompatibleKeys([], []))
-            self.assertEqual(list(state), list(saved))
-            for key, value in saved.items():
-                self.assertTrue(torch.equal(state[key], value), key)
+            self._assert_loaded_exactly(result, state, saved, "saved sharded at 2 ranks")
 
     def test_a_checkpoint_torch_fsdp1_saved(self):
         directory = os.path.join(self.directory, "fsdp1")
         self.pool.run(_fsdp1_save, 2, directory)
         expected = build(4).state_dict()
         for result, state in self.pool.run(_load_fsdp1, 3, directory):
-            self.assertEqual(result, flatshard.IncompatibleKeys([], []))
-            self.assertEqual(list(state), list(expected))
-            for key, value in expected.items():
-                self.assertTrue(torch.equal(state[key], value), key)
+            self._assert_loaded_exactly(result, state, expected, "saved by torch FSDP1")
 
     def test_hybrid_sharding_and_a_failure_that_crosses_both_groups(self):
         expected = _source().state_dict()

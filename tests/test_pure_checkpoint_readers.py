@@ -8,11 +8,9 @@ import json
 import math
 import os
 import struct
-import warnings
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import flatshard._safetensors as safetensors_module
@@ -20,6 +18,7 @@ from flatshard._dcp_reader import DcpReader, flat_range_boxes
 from flatshard._safetensors import SafetensorsReader, write_safetensors
 from flatshard._stored import Piece, StoredTensor
 from flatshard.pretrained import empty_init, open_checkpoint
+from tests._models import dcp_save_in_one_process
 
 SHAPES = [(), (5,), (3, 4), (2, 3, 4), (2, 1, 3, 2), (0, 3)]
 
@@ -145,9 +144,7 @@ def test_malformed_safetensors_files_are_named(tmp_path):
 
 def test_dcp_ranges_and_descriptions(tmp_path):
     tensors = _tensors()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(dict(tensors), checkpoint_id=str(tmp_path / "one"))
+    dcp_save_in_one_process(dict(tensors), str(tmp_path / "one"))
     reader = open_checkpoint(str(tmp_path / "one"))
     assert isinstance(reader, DcpReader)
     assert reader.tensors == {k: StoredTensor(tuple(v.shape), v.dtype) for k, v in tensors.items()}
@@ -194,9 +191,7 @@ def test_a_dtype_this_torch_cannot_hold_is_an_error_only_where_it_is_read(tmp_pa
 
 
 def test_dcp_saved_chunks_that_do_not_cover_a_read_are_an_error(tmp_path):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"w": torch.arange(12.0).reshape(3, 4)}, checkpoint_id=str(tmp_path / "one"))
+    dcp_save_in_one_process({"w": torch.arange(12.0).reshape(3, 4)}, str(tmp_path / "one"))
     reader = DcpReader(str(tmp_path / "one"))
     reader._stored["w"].chunks.clear()  # (an incomplete checkpoint: its one chunk lost)
     with pytest.raises(ValueError, match=r"the checkpoint's saved chunks of 'w' cover 0 of the 4 elements of the box of shape \(1, 4\)"):
@@ -208,9 +203,7 @@ def test_identities_tell_other_content_apart_and_not_other_places(tmp_path):
         (tmp_path / place).mkdir()
         value = torch.zeros(100_000) if place != "c" else torch.ones(100_000)
         write_safetensors(str(tmp_path / place / "m.safetensors"), {"w": value})
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"w": value}, checkpoint_id=str(tmp_path / place / "dcp"))
+        dcp_save_in_one_process({"w": value}, str(tmp_path / place / "dcp"))
     for form in ("m.safetensors", "dcp"):
         a, b, c = (open_checkpoint(str(tmp_path / p / form)).identity() for p in ("a", "b", "c"))
         assert a == b and a != c, (form, a, b, c)

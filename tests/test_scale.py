@@ -95,11 +95,8 @@ def test_loading_a_pretrained_checkpoint_holds_the_shards_and_one_saved_chunk(fo
     # bytes allocated while loading, beyond the shards: safetensors of the shards' dtype
     # nothing (but the rank-agreement check's N integers); DCP about two saved chunks (one
     # whole parameter each here: the checkpoint was saved by one process)
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     from flatshard._safetensors import write_safetensors
+    from tests._models import dcp_save_in_one_process
     from tests._scale_run import source
 
     values = source().state_dict()
@@ -107,9 +104,7 @@ def test_loading_a_pretrained_checkpoint_holds_the_shards_and_one_saved_chunk(fo
     if form == "safetensors":
         write_safetensors(path, values)
     else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(dict(values), checkpoint_id=path)
+        dcp_save_in_one_process(dict(values), path)
     for world, rank in [(8, 7), (4096, 0), (4096, 4095)]:
         result = _rank_of_a_large_world(world, rank, "--load", path)
         assert result["wrong"] == [], (world, rank, result)

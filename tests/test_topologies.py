@@ -20,19 +20,11 @@ import torch
 from expecttest import TestCase
 
 from flatshard import ModuleWrapPolicy, RunCheckpoints, ShardedDataParallel, ShardingStrategy
-from tests._models import Block, batch, build, full_params, lm_loss
+from tests._models import Block, build, full_params, step_on_global_batch
 
 ROWS = 12  # global batch rows: every topology's ranks split it evenly
 K = 2
 TOPOLOGIES = {"2x2": (4, 2), "1x2": (2, 2), "4x1": (4, 1)}  # name: (ranks, ranks per node)
-
-
-def _step(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, rank: int, world_size: int) -> None:
-    tokens, targets = batch(step, 1, per_rank=ROWS)
-    rows = ROWS // world_size
-    lm_loss(model(tokens[rank * rows : (rank + 1) * rows]), targets[rank * rows : (rank + 1) * rows]).backward()
-    optim.step()
-    optim.zero_grad()
 
 
 def _leg(rank: int, world_size: int, per_node: int, directory: str, first: int, last: int) -> Dict[str, torch.Tensor]:
@@ -47,7 +39,7 @@ def _leg(rank: int, world_size: int, per_node: int, directory: str, first: int, 
         if resumed is None or resumed.step != first - 1:
             raise AssertionError(f"resumed {resumed and resumed.step}, expected step {first - 1}")
     for step in range(first, last + 1):
-        _step(model, optim, step, rank, world_size)
+        step_on_global_batch(model, optim, step, rank, world_size, rows=ROWS)
     run.save(last)
     return full_params(model)
 
@@ -56,7 +48,7 @@ def _reference(steps: int) -> Dict[str, torch.Tensor]:
     model = build(0)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(1, steps + 1):
-        _step(model, optim, step, 0, 1)
+        step_on_global_batch(model, optim, step, rows=ROWS)
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
