@@ -277,7 +277,7 @@ def _loopback_bytes() -> int:
 
 def shared_memory_channels(model: Any) -> List[Any]:
     """The shared-memory channels of a flatshard model's handles ([Note: shared-memory
-    exchange] in ``flatshard/_shared_memory.py``), each once; none for anything else."""
+    exchange] in ``flatshard/_comm/_shared_memory.py``), each once; none for anything else."""
     channels = {}
     for module in model.modules():
         for handle in getattr(getattr(module, "_unit", None), "handles", ()):

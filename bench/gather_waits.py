@@ -82,7 +82,7 @@ def summary(per_rank: List[List[Tuple[float, float]]], steps: int) -> str:
 def _rank(rank: int, world: int, init_file: str, cfg: Dict[str, Any], args: argparse.Namespace, out: str) -> None:
     bench.start_rank(rank, world, init_file)
     if args.no_yield:
-        import flatshard._collectives as collectives
+        import flatshard._comm._collectives as collectives
 
         collectives._sched_yield = None  # (before any collective: Pending reads it when made)
     log: List[Event] = []

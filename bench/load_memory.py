@@ -55,7 +55,7 @@ def _save(model_name: str, directory: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from flatshard._safetensors import write_safetensors
+    from flatshard._readers._safetensors import write_safetensors
     from llama import CONFIGS, Llama
 
     torch.manual_seed(0)
@@ -72,8 +72,8 @@ def _rank(route: str, model_name: str, directory: str, rank: int, world: int, in
     import torch.distributed.checkpoint as dcp
 
     from flatshard import ShardedDataParallel, StateDictType, empty_init, load_pretrained
-    from flatshard._safetensors import SafetensorsReader
-    from flatshard._stored import Piece
+    from flatshard._readers._safetensors import SafetensorsReader
+    from flatshard._readers._stored import Piece
     from flatshard.wrap import ModuleWrapPolicy
     from llama import CONFIGS, DecoderLayer, Llama
 

@@ -13,7 +13,7 @@ two moments; plus padding) and gathered at most the
 prefetch limit of full units (the unit computing and the one prefetched, plus the root, which
 FULL_SHARD keeps between its forward and backward). The last column is the arena each rank of
 two on one host allocates up front in shared memory for swapping chunks with its peer ([Note:
-shared-memory exchange] in ``flatshard/_shared_memory.py``): three of the largest shard.
+shared-memory exchange] in ``flatshard/_comm/_shared_memory.py``): three of the largest shard.
 """
 
 from __future__ import annotations

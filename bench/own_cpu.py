@@ -36,17 +36,17 @@ PHASES = bench.PHASES
 
 # (module, class, method): what is timed. Entry points first, then what they call.
 MEASURED: List[Tuple[str, str, str]] = [
-    ("flatshard._runtime", "RootRuntime", name)
+    ("flatshard._engine._runtime", "RootRuntime", name)
     for name in ("start_forward", "finish_forward", "pre_backward_hook", "post_backward", "inputs_done", "finalize_backward")
 ] + [
     ("flatshard.flat_param", "FlatParamHandle", name)
     for name in ("unshard", "wait", "use_views", "drop_views", "reshard", "sync_requires_grad", "take_user_writes")
 ] + [
-    ("flatshard._handle_grads", "HandleGrads", name) for name in ("reduce_grad", "finish_reduction")
+    ("flatshard._flat._handle_grads", "HandleGrads", name) for name in ("reduce_grad", "finish_reduction")
 ] + [
-    ("flatshard._collectives", "Communicator", "all_gather"),
-    ("flatshard._collectives", "Communicator", "reduce_scatter_mean"),
-    ("flatshard._collectives", "Pending", "wait"),
+    ("flatshard._comm._collectives", "Communicator", "all_gather"),
+    ("flatshard._comm._collectives", "Communicator", "reduce_scatter_mean"),
+    ("flatshard._comm._collectives", "Pending", "wait"),
 ]
 
 

@@ -44,7 +44,7 @@ _COPY_OPS = {"copy_", "add_", "add", "div_", "zero_", "to", "clone", "cat", "fil
 def _timed_all_gathers(numel: int, repeats: int) -> List[float]:
     """Seconds of each of ``repeats`` all-gathers of ``numel`` float32 per rank, after a warm-up,
     done the way flatshard does them (``Communicator.all_gather``)."""
-    from flatshard._collectives import Communicator
+    from flatshard._comm._collectives import Communicator
 
     comm = Communicator(dist.group.WORLD)
     shard = torch.ones(numel, dtype=torch.float32)

@@ -7,7 +7,7 @@ One process per (implementation, N) runs as one rank of N (the last by default) 
 process group: collectives return at once and exchange nothing, memory is real. The model (a
 Llama, ``bench/llama.py``) is built on the meta device and materialised one unit at a time by
 ``param_init_fn``, one unit per decoder layer, fp32, AdamW, two training steps. Bytes are the
-CPU allocator's, phase by phase (``flatshard._memory_timeline``, [Note: measuring memory]):
+CPU allocator's, phase by phase (``flatshard._base._memory_timeline``, [Note: measuring memory]):
 the peak of the second step's forward, backward and optimizer step, and what stays allocated
 between steps (after ``zero_grad(set_to_none=True)``). The last columns are flatshard's
 planner: its estimate of the parameters and gradients and its per-rank shard and optimizer
@@ -36,8 +36,8 @@ def _child(impl: str, model: str, world: int, rank: int, batch: int, seq: int) -
     from llama import CONFIGS, DecoderLayer, Llama, loss_of
 
     import flatshard
-    from flatshard._collectives import init_fake_world
-    from flatshard._memory_timeline import MemoryTimeline
+    from flatshard._comm._collectives import init_fake_world
+    from flatshard._base._memory_timeline import MemoryTimeline
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)

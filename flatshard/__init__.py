@@ -34,7 +34,7 @@ from .api import (
 )
 from . import api, comm_hooks, fully_sharded_data_parallel, plan, sharded_grad_scaler, wrap
 from .flat_param import FlatParameter, FlatParamHandle
-from ._peer_failures import PeerFailedError
+from ._comm._peer_failures import PeerFailedError
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel

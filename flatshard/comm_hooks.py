@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ._collectives import Communicator, ProcessGroup
+from ._comm._collectives import Communicator, ProcessGroup
 
 __all__ = ["DefaultState", "LowPrecisionState", "allreduce_hook", "reduce_scatter_hook", "fp16_compress_hook", "bf16_compress_hook"]
 

@@ -38,15 +38,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import nn
 
-from ._checkpointing import check_idle, communicators, named_units, raise_together, take_user_writes
-from ._collectives import first_difference
-from ._dcp_reader import DcpReader, is_dcp_checkpoint
-from ._plain_view import plain_view
-from ._safetensors import INDEX_NAME, SafetensorsReader
-from ._stored import CheckpointReader, Piece
-from ._common import HandleState
-from ._unit import Unit
-from .flat_param import FlatParamHandle
+from ._checkpoint._checkpointing import check_idle, communicators, named_units, raise_together, take_user_writes
+from ._comm._collectives import first_difference
+from ._readers._dcp_reader import DcpReader, is_dcp_checkpoint
+from ._checkpoint._plain_view import plain_view
+from ._readers._safetensors import INDEX_NAME, SafetensorsReader
+from ._readers._stored import CheckpointReader, Piece
+from ._base._common import HandleState
+from ._engine._unit import Unit
+from ._flat._flat_param import FlatParamHandle
 
 __all__ = ["IncompatibleKeys", "empty_init", "load_pretrained"]
 

@@ -68,7 +68,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference
+from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
 

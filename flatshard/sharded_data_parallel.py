@@ -9,21 +9,21 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 from torch import nn
 
-from ._clip import clip_grad_norm_
-from ._compile import dynamo_loaded
-from ._collectives import ProcessGroup
-from ._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
-from ._deepcopy import copy_model
-from ._fsdp_markers import mark_fsdp_managed
-from ._generate import generate_gathered
-from ._init import build_unit
-from ._module_state_dict import route_state_dict, skips_in_tree_walk
-from ._node_groups import NodeGroups
-from ._options import ConstructionOptions
-from ._planning import make_plan, unit_options
-from ._runtime import no_sync, run_forward
-from ._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
-from ._state_dict import (
+from ._checkpoint._clip import clip_grad_norm_
+from ._base._compile import dynamo_loaded
+from ._comm._collectives import ProcessGroup
+from ._base._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
+from ._engine._deepcopy import copy_model
+from ._base._fsdp_markers import mark_fsdp_managed
+from ._engine._generate import generate_gathered
+from ._build._init import build_unit
+from ._checkpoint._module_state_dict import route_state_dict, skips_in_tree_walk
+from ._build._node_groups import NodeGroups
+from ._base._options import ConstructionOptions
+from ._build._planning import make_plan, unit_options
+from ._engine._runtime import no_sync, run_forward
+from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
+from ._checkpoint._state_dict import (
     get_settings,
     load_model_state,
     make_settings,
@@ -32,8 +32,8 @@ from ._state_dict import (
     set_settings,
     snapshot_settings,
 )
-from ._summon import forward_while_summoned, summon_full_params
-from ._unit import root_of
+from ._checkpoint._summon import forward_while_summoned, summon_full_params
+from ._engine._unit import root_of
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -45,8 +45,8 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .flat_param import FlatParamHandle, OrigParam
-from .optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state, template_state
+from ._flat._flat_param import FlatParamHandle, OrigParam
+from ._checkpoint._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state, template_state
 
 __all__ = ["ShardedDataParallel"]
 

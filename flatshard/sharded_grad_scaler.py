@@ -42,7 +42,7 @@ from typing import Any, Dict, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._collectives import Communicator, ProcessGroup, default_group
+from ._comm._collectives import Communicator, ProcessGroup, default_group
 
 __all__ = ["ShardedGradScaler"]
 

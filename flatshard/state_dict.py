@@ -38,11 +38,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._collectives import Communicator, all_gather_object, broadcast_object, default_group
-from ._common import clean_name
-from ._plain_view import wrapped_by
+from ._comm._collectives import Communicator, all_gather_object, broadcast_object, default_group
+from ._base._common import clean_name
+from ._checkpoint._plain_view import wrapped_by
 from .api import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
-from .optim_state import OptimStateIndex, template_state
+from ._checkpoint._optim_state import OptimStateIndex, template_state
 from .sharded_data_parallel import ShardedDataParallel
 
 __all__ = [

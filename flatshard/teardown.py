@@ -42,8 +42,8 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from ._collectives import ProcessGroup, registered_groups, release_cached_meshes
-from ._holders import describe_holders
+from ._comm._collectives import ProcessGroup, registered_groups, release_cached_meshes
+from ._base._holders import describe_holders
 
 __all__ = ["destroy_process_group"]
 

@@ -21,9 +21,9 @@ from typing import (
 
 from torch import nn
 
-from ._callable_module import make_callable
-from ._common import clean_name, display_name
-from ._options import OPTION_NAMES
+from ._base._callable_module import make_callable
+from ._base._common import clean_name, display_name
+from ._base._options import OPTION_NAMES
 
 __all__ = [
     "always_wrap_policy",

@@ -51,7 +51,7 @@ from flatshard import (
     comm_hooks,
     transformer_auto_wrap_policy,
 )
-from flatshard._common import clean_name, join_name
+from flatshard._base._common import clean_name, join_name
 from tests._fuzz import Case, orig_at, pick_names
 from tests._fuzz_model import PLANNED_FAILURE, POLICY_CLASSES, VOCAB, build_model, loss_of
 

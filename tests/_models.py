@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flatshard import ShardedDataParallel, ShardingStrategy
-from flatshard._common import HandleState, clean_name, join_name
+from flatshard._base._common import HandleState, clean_name, join_name
 
 VOCAB = 13
 DIM = 8

@@ -105,8 +105,8 @@ def main(world: int, rank: int) -> Dict[str, Any]:
         ShardedDataParallel,
         StateDictType,
     )
-    from flatshard._collectives import init_fake_world
-    from flatshard._memory_timeline import MemoryTimeline
+    from flatshard._comm._collectives import init_fake_world
+    from flatshard._base._memory_timeline import MemoryTimeline
     from flatshard.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from flatshard.wrap import ModuleWrapPolicy
 
@@ -159,8 +159,8 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from flatshard import ShardedDataParallel
-    from flatshard._collectives import init_fake_world
-    from flatshard._memory_timeline import MemoryTimeline
+    from flatshard._comm._collectives import init_fake_world
+    from flatshard._base._memory_timeline import MemoryTimeline
     from flatshard.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
@@ -204,9 +204,9 @@ def load(world: int, rank: int, checkpoint: str) -> Dict[str, Any]:
     bytes allocated while loading, the shards' bytes, and whether every shard holds its part
     of ``source()``."""
     from flatshard import ShardedDataParallel, empty_init, load_pretrained
-    from flatshard._checkpointing import named_units
-    from flatshard._collectives import init_fake_world
-    from flatshard._memory_timeline import MemoryTimeline
+    from flatshard._checkpoint._checkpointing import named_units
+    from flatshard._comm._collectives import init_fake_world
+    from flatshard._base._memory_timeline import MemoryTimeline
     from flatshard.wrap import ModuleWrapPolicy
 
     init_fake_world(rank, world)

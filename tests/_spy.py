@@ -16,8 +16,8 @@ from typing import Any, Dict, Iterator, List
 from torch import nn
 
 from flatshard import ShardedDataParallel
-from flatshard._collectives import CollectiveEvent
-from flatshard._common import HandleState
+from flatshard._comm._collectives import CollectiveEvent
+from flatshard._base._common import HandleState
 
 _REDUCTIONS = ("reduce", "reduced")
 
@@ -54,7 +54,7 @@ class Recorder:
         self.checks = 0
         self.max_gathered = 0
 
-    # -- the trace hook (flatshard._unit.Tracer) ----------------------------------------------
+    # -- the trace hook (flatshard._engine._unit.Tracer) ----------------------------------------------
 
     def event(self, kind: str, label: str) -> None:
         if kind in _REDUCTIONS and not self.reductions:

@@ -810,7 +810,7 @@ def _optim_rank0_only(rank: int, world_size: int) -> bool:
 
 
 def _broadcast(value: Any) -> Any:
-    from flatshard._collectives import broadcast_object
+    from flatshard._comm._collectives import broadcast_object
 
     return broadcast_object(value, dist.group.WORLD)
 

@@ -1,4 +1,4 @@
-"""The collectives of ``flatshard._collectives`` on gloo, checked value by value: the two-rank
+"""The collectives of ``flatshard._comm._collectives`` on gloo, checked value by value: the two-rank
 chunk swap ([Note: pair exchange]) and the general paths from three ranks on give every rank
 every shard in rank order and its own chunk of the sum or mean, synchronously and in flight,
 for floats and for the bytes object collectives send."""
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from expecttest import TestCase
 
-from flatshard._collectives import Communicator, all_gather_object
+from flatshard._comm._collectives import Communicator, all_gather_object
 
 
 def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
@@ -43,7 +43,7 @@ def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
 def _yields(rank: int, world_size: int) -> List[int]:
     """How often the caller yields its core: after a blocking all-gather, after the first wait
     of a reduce-scatter in flight (not the second), never for a drained one."""
-    import flatshard._collectives as collectives
+    import flatshard._comm._collectives as collectives
 
     calls: List[int] = []
     real = collectives._sched_yield

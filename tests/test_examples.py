@@ -210,7 +210,7 @@ def test_memory_script_shows_a_sharded_share_of_parameters_gradients_and_optimiz
     gathered_units = float(cells[6].split("(")[1].rstrip(")"))
     assert gathered_units <= 3.0, row  # the root, the unit computing and the prefetched one
     arena_units = float(cells[7].split("(")[1].rstrip(")"))
-    from flatshard._shared_memory import available_here
+    from flatshard._comm._shared_memory import available_here
 
     if available_here():
         assert 1.5 <= arena_units <= 1.6, row  # three of the largest shard (half a unit), 64-byte aligned

@@ -7,7 +7,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import FlatParameter, ShardedDataParallel, ShardingStrategy
-from flatshard._common import HandleState
+from flatshard._base._common import HandleState
 from tests._models import build, handles, wrap
 
 

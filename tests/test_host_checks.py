@@ -1,5 +1,5 @@
 """The per-step agreement checks gather CPU tensors (see [Note: agreement checks on the host] in
-``flatshard/_host_checks.py``): through the model's group where its backend takes them, else
+``flatshard/_comm/_host_checks.py``): through the model's group where its backend takes them, else
 through a gloo group of the same ranks, so that a NCCL job's host never waits for its GPU to
 check. NCCL is simulated here by treating the world group as a group that takes no CPU
 tensors: the checks then run over a gloo group of their own, train exactly as before, and still
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from expecttest import TestCase
 
 from flatshard import ShardedDataParallel
-from flatshard._collectives import Communicator
-from flatshard._host_checks import check_device, host_check_comm, takes_cpu_tensors
+from flatshard._comm._collectives import Communicator
+from flatshard._comm._host_checks import check_device, host_check_comm, takes_cpu_tensors
 from torch import nn
 
 from tests._models import DIM, Block, batch, build, local, run_parity, wrap
@@ -29,7 +29,7 @@ from tests.test_adversarial import _aux_skipped_on_one_rank
 
 def _world_takes_no_cpu_tensors() -> Any:
     """The world group behaves like a NCCL group (other groups as they are)."""
-    return mock.patch("flatshard._host_checks.takes_cpu_tensors", lambda group: group is not dist.group.WORLD)
+    return mock.patch("flatshard._comm._host_checks.takes_cpu_tensors", lambda group: group is not dist.group.WORLD)
 
 
 def _check_groups(rank: int, world_size: int) -> List[Any]:
@@ -45,10 +45,10 @@ def _side_group_timeout(rank: int, world_size: int) -> float:
     default is 30 minutes, and FSDP1's HYBRID_SHARD groups ignored the user's)."""
     from datetime import timedelta
 
-    from flatshard._collectives import timeout_of
+    from flatshard._comm._collectives import timeout_of
 
     group = dist.new_group(timeout=timedelta(seconds=17))
-    with mock.patch("flatshard._host_checks.takes_cpu_tensors", lambda g: g is not group):
+    with mock.patch("flatshard._comm._host_checks.takes_cpu_tensors", lambda g: g is not group):
         model = ShardedDataParallel(build(), process_group=group)
         model(local(batch(0, world_size)[0], rank)).sum().backward()
         (comm,) = model._unit.ctx.check_comms

@@ -1,4 +1,4 @@
-"""Hybrid sharding's default groups ([Note: groups per node] in ``flatshard/_node_groups.py``):
+"""Hybrid sharding's default groups ([Note: groups per node] in ``flatshard/_build/_node_groups.py``):
 with ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2`` and no groups, each unit shards over its node's
 ranks and replicates across the nodes, the node size read from the launcher's
 ``LOCAL_WORLD_SIZE``; training equals single-process training; an auto-wrap plan's units share
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from expecttest import TestCase
 
 from flatshard import ModuleWrapPolicy, ShardedDataParallel, ShardingStrategy
-from flatshard._collectives import timeout_of
+from flatshard._comm._collectives import timeout_of
 from tests._models import Block, build, run_parity
 
 

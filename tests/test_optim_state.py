@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
 from expecttest import TestCase
 
-from flatshard._collectives import broadcast_object
+from flatshard._comm._collectives import broadcast_object
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
 from tests._memory import track_allocations
 from tests._models import Block, batch, build, lm_loss, step_on_global_batch

@@ -1,4 +1,4 @@
-"""The construction options (``flatshard._options``): one list, matching the constructor.
+"""The construction options (``flatshard._base._options``): one list, matching the constructor.
 
 In-process, no process group.
 """
@@ -12,7 +12,7 @@ import pytest
 from torch import nn
 
 from flatshard import ShardedDataParallel
-from flatshard._options import NOT_PER_UNIT, OPTION_NAMES, ConstructionOptions
+from flatshard._base._options import NOT_PER_UNIT, OPTION_NAMES, ConstructionOptions
 from flatshard.api import ShardingStrategy
 
 

@@ -15,7 +15,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import MixedPrecision, ShardedDataParallel, ShardingStrategy
-from flatshard._common import join_name
+from flatshard._base._common import join_name
 from tests._models import ATOL, RTOL, batch, build, lm_loss, local, wrap
 
 ORIG = dict(use_orig_params=True)

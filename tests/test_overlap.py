@@ -9,7 +9,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import BackwardPrefetch, ShardedDataParallel
-from flatshard._shared_memory import available_here
+from flatshard._comm._shared_memory import available_here
 from tests._models import Block, batch, build, lm_loss, local, make_optim, wrap
 from tests._spy import recording
 

@@ -1,4 +1,4 @@
-"""No rank waits alone ([Note: peer failures] in ``flatshard/_peer_failures.py``).
+"""No rank waits alone ([Note: peer failures] in ``flatshard/_comm/_peer_failures.py``).
 
 One rank raises in its forward or its backward, catches the error and goes on, while the others
 are still in the same step's collectives. Every rank must raise within seconds, not at the process
@@ -25,7 +25,7 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import PeerFailedError, ShardedDataParallel
-from flatshard._shared_memory import ENV_SWITCH
+from flatshard._comm._shared_memory import ENV_SWITCH
 from tests._models import DIM, Block, batch, lm_loss, local, make_optim, build
 
 BOUND_S = 10.0
@@ -273,7 +273,7 @@ def test_a_collective_failing_after_a_peer_left_names_that_peer() -> None:
     # there already), returned and closed its connections before this rank's wait looked at
     # the records; the failed collective must still name the rank that left, not only gloo's
     # "Connection closed by peer".
-    from flatshard._peer_failures import StepWatch
+    from flatshard._comm._peer_failures import StepWatch
 
     store = dist.HashStore()
     watches = [StepWatch(store, "root0", rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]

@@ -5,7 +5,7 @@ import contextlib
 from expecttest import TestCase
 
 from flatshard import BackwardPrefetch, ShardedDataParallel, ShardingStrategy
-from flatshard._shared_memory import available_here
+from flatshard._comm._shared_memory import available_here
 from tests._models import batch, build, lm_loss, local, make_optim, wrap
 from tests._spy import recording
 

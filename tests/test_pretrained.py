@@ -29,8 +29,8 @@ from flatshard import (
     empty_init,
     load_pretrained,
 )
-from flatshard._safetensors import SafetensorsReader, write_safetensors
-from flatshard._stored import Piece
+from flatshard._readers._safetensors import SafetensorsReader, write_safetensors
+from flatshard._readers._stored import Piece
 from tests._models import Block, batch, build, dcp_save_in_one_process, lm_loss, step_on_global_batch
 
 K = 2

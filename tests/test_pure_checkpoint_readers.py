@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-import flatshard._safetensors as safetensors_module
-from flatshard._dcp_reader import DcpReader, flat_range_boxes
-from flatshard._safetensors import SafetensorsReader, write_safetensors
-from flatshard._stored import Piece, StoredTensor
+import flatshard._readers._safetensors as safetensors_module
+from flatshard._readers._dcp_reader import DcpReader, flat_range_boxes
+from flatshard._readers._safetensors import SafetensorsReader, write_safetensors
+from flatshard._readers._stored import Piece, StoredTensor
 from flatshard.pretrained import empty_init, open_checkpoint
 from tests._models import dcp_save_in_one_process
 

@@ -1,4 +1,4 @@
-"""Pure tier: the shared helpers of ``flatshard._common``: user-facing names, nested-output
+"""Pure tier: the shared helpers of ``flatshard._base._common``: user-facing names, nested-output
 traversal, guarded state transitions, and translating torch FSDP1's enums and configs."""
 
 import collections
@@ -10,7 +10,7 @@ import torch.distributed.fsdp as torch_fsdp
 from expecttest import TestCase
 
 from flatshard import MixedPrecision, ShardingStrategy
-from flatshard._common import (
+from flatshard._base._common import (
     HandleState,
     TrainingState,
     clean_name,

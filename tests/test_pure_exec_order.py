@@ -4,7 +4,7 @@ No process group: units are plain strings here."""
 
 from expecttest import TestCase
 
-from flatshard._exec_order import END_OF_BACKWARD, GATHER, REDUCE, ExecOrder, describe, mismatch, token
+from flatshard._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, ExecOrder, describe, mismatch, token
 
 NAMES = ["<root>", "layers.0", "layers.1"]
 

@@ -1,5 +1,5 @@
 """The names ``flatshard.destroy_process_group``'s warning gives to what still holds a group
-([Note: finding holders] in ``flatshard/_holders.py``), with a plain object standing in for
+([Note: finding holders] in ``flatshard/_base/_holders.py``), with a plain object standing in for
 the group."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import types
 from typing import Iterator
 
-from flatshard._holders import UNSEEN, describe_holders
+from flatshard._base._holders import UNSEEN, describe_holders
 
 
 class Target:

@@ -9,7 +9,7 @@ from typing import List, Sequence, Tuple
 import torch
 from expecttest import TestCase
 
-from flatshard._layout import ParamInfo, ShardParamInfo, shard_param_infos, shard_sizes
+from flatshard._flat._layout import ParamInfo, ShardParamInfo, shard_param_infos, shard_sizes
 
 
 def infos(numels: Sequence[int]) -> Tuple[ParamInfo, ...]:

@@ -1,12 +1,12 @@
-"""Pure tier: where the ranks' lists first differ (``flatshard._collectives.differences``), the
+"""Pure tier: where the ranks' lists first differ (``flatshard._comm._collectives.differences``), the
 comparison every rank-agreement check reports from (see [Note: rank agreement]); and finding a
-module's unit (``flatshard._checkpointing.unit_of``)."""
+module's unit (``flatshard._checkpoint._checkpointing.unit_of``)."""
 
 import torch
 from expecttest import TestCase
 
-from flatshard._checkpointing import unit_of
-from flatshard._collectives import RankDifference, differences, item_at
+from flatshard._checkpoint._checkpointing import unit_of
+from flatshard._comm._collectives import RankDifference, differences, item_at
 
 
 class DifferencesTest(TestCase):
@@ -45,10 +45,10 @@ class UnitOfTest(TestCase):
 
 class CheckReportsTest(TestCase):
     """What the per-iteration checks report once the ranks' digests differ and they have
-    exchanged what they compared ([Note: order check] in ``flatshard/_exec_order.py``)."""
+    exchanged what they compared ([Note: order check] in ``flatshard/_flat/_exec_order.py``)."""
 
     def test_ranks_at_different_checks_are_named_by_where_they_are(self):
-        from flatshard._agreement import _backward_difference, _forward_difference
+        from flatshard._engine._agreement import _backward_difference, _forward_difference
 
         everyone = [("at the end of its forward", ["<root>", "a"], 3), ("at the start of its backward", ["<root>"])]
         expected = "the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is at the end of its forward; rank 1 is at the start of its backward"
@@ -56,7 +56,7 @@ class CheckReportsTest(TestCase):
         self.assertEqual(_backward_difference(everyone), expected)
 
     def test_the_first_unit_that_differs_or_the_optimizer_steps(self):
-        from flatshard._agreement import _forward_difference
+        from flatshard._engine._agreement import _forward_difference
 
         ran = [("at the end of its forward", ["<root>", "a", "b"], 2), ("at the end of its forward", ["<root>", "b"], 2)]
         self.assertExpectedInline(_forward_difference(ran), """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #1 of this forward differs: rank 0 ran a; rank 1 ran b""")

@@ -8,7 +8,7 @@ import torch
 from expecttest import TestCase
 
 from flatshard import BackwardPrefetch, ShardedDataParallel, ShardingStrategy
-from flatshard._common import HandleState, TrainingState
+from flatshard._base._common import HandleState, TrainingState
 from tests._models import (
     Out,
     Outer,

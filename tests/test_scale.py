@@ -1,5 +1,5 @@
 """Thousands of ranks, simulated: one process runs as rank 0 or the last rank of a world of up to
-4096 on torch's fake process group ([Note: the fake process group] in ``flatshard/_collectives``),
+4096 on torch's fake process group ([Note: the fake process group] in ``flatshard/_comm/_collectives``),
 through ``tests/_scale_run.py`` (construction on the meta device, training, every state dict and
 optimizer state dict saved and loaded back; each phase's peak memory against torch FSDP1's)."""
 
@@ -95,7 +95,7 @@ def test_loading_a_pretrained_checkpoint_holds_the_shards_and_one_saved_chunk(fo
     # bytes allocated while loading, beyond the shards: safetensors of the shards' dtype
     # nothing (but the rank-agreement check's N integers); DCP about two saved chunks (one
     # whole parameter each here: the checkpoint was saved by one process)
-    from flatshard._safetensors import write_safetensors
+    from flatshard._readers._safetensors import write_safetensors
     from tests._models import dcp_save_in_one_process
     from tests._scale_run import source
 

@@ -1,5 +1,5 @@
 """The two-rank swaps over shared memory ([Note: shared-memory exchange] in
-``flatshard._shared_memory``): the values gloo would give, in flight, out of order and with
+``flatshard._comm._shared_memory``): the values gloo would give, in flight, out of order and with
 more chunks outstanding than the arena holds; a disagreement between the ranks, a peer that
 leaves and a peer that never comes are errors on the waiting rank, never a hang; nothing is
 left in ``/dev/shm``; ``FLATSHARD_SHARED_MEMORY=0`` on any rank keeps gloo; and training
@@ -23,8 +23,8 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import ShardedDataParallel
-from flatshard._collectives import Communicator
-from flatshard._shared_memory import ENV_SWITCH, ChannelState, SharedMemoryChannel, _usable, available_here
+from flatshard._comm._collectives import Communicator
+from flatshard._comm._shared_memory import ENV_SWITCH, ChannelState, SharedMemoryChannel, _usable, available_here
 from tests._pool import COLLECTIVE_TIMEOUT_S
 
 _TIMEOUT = timedelta(seconds=60)
@@ -395,7 +395,7 @@ class UsableTest(TestCase):
         import sys
         import time
 
-        from flatshard._shared_memory import _exited
+        from flatshard._comm._shared_memory import _exited
 
         self.assertFalse(_exited(os.getpid()))
         child = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import flatshard._stale_optimizer as stale_optimizer
+import flatshard._engine._stale_optimizer as stale_optimizer
 from flatshard import ModuleWrapPolicy, ShardedDataParallel
 from tests._models import Block, batch, build, error_text, lm_loss, local, wrap
 

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 import flatshard
 from flatshard import ModuleWrapPolicy, ShardedDataParallel
-from flatshard._checkpointing import full_value
-from flatshard._collectives import Communicator
+from flatshard._checkpoint._checkpointing import full_value
+from flatshard._comm._collectives import Communicator
 from flatshard.state_dict import (
     StateDictOptions,
     get_model_state_dict,

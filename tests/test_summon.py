@@ -8,8 +8,8 @@ from expecttest import TestCase
 from torch import nn
 
 from flatshard import ShardedDataParallel, ShardingStrategy
-from flatshard._common import HandleState, TrainingState
-from flatshard._placeholder import ParamPlaceholder
+from flatshard._base._common import HandleState, TrainingState
+from flatshard._flat._placeholder import ParamPlaceholder
 from flatshard.flat_param import FlatParameter
 from tests._models import (
     error_text as _message,

@@ -18,7 +18,7 @@ import torch.distributed.fsdp.wrap as torch_wrap
 from expecttest import TestCase
 from torch import nn
 
-from flatshard._common import WRAPPED_MODULE, clean_name
+from flatshard._base._common import WRAPPED_MODULE, clean_name
 from flatshard.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,

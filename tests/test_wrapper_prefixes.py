@@ -3,7 +3,7 @@
 Activation checkpointing (torch's ``checkpoint_wrapper``, ``_checkpoint_wrapped_module``) and
 ``torch.compile`` of a submodule (an ``OptimizedModule``, ``_orig_mod``), put in before or after
 wrapping, and flatshard's own ``_fsdp_wrapped_module``, must not show in any name a state-dict
-function gives or takes (see [Note: wrapper prefixes] in ``flatshard/_plain_view.py``).
+function gives or takes (see [Note: wrapper prefixes] in ``flatshard/_checkpoint/_plain_view.py``).
 
 A matrix of function x wrapper kind x ``use_orig_params``:
 
@@ -42,9 +42,9 @@ from flatshard import (
     ShardedStateDictConfig,
     StateDictType,
 )
-from flatshard._checkpointing import full_value
-from flatshard._collectives import Communicator
-from flatshard._common import clean_name
+from flatshard._checkpoint._checkpointing import full_value
+from flatshard._comm._collectives import Communicator
+from flatshard._base._common import clean_name
 from flatshard.state_dict import (
     StateDictOptions,
     get_model_state_dict,

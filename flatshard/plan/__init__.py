@@ -19,16 +19,16 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._callable_module import make_callable
-from .._common import clean_name
+from .._base._callable_module import make_callable
+from .._base._common import clean_name
 import torch.distributed as dist
 
-from .._init import check_options, group_params
-from .._node_groups import ranks_per_node
-from .._options import ConstructionOptions
-from .._planning import PlannedUnit, make_plan, unit_options
+from .._build._init import check_options, group_params
+from .._build._node_groups import ranks_per_node
+from .._base._options import ConstructionOptions
+from .._build._planning import PlannedUnit, make_plan, unit_options
 from ..api import BackwardPrefetch, ShardingStrategy
-from ..flat_param import shard_sizes
+from .._flat._flat_param import shard_sizes
 from ..sharded_data_parallel import ShardedDataParallel
 from ..wrap import ModuleWrapPolicy, always_wrap_policy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from ._measure import NOT_MEASURABLE, PHASES, Fit, Measurement, fit_phases, measure_rank

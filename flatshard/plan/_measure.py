@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._collectives import init_fake_world
-from .._memory_timeline import MemoryTimeline
+from .._comm._collectives import init_fake_world
+from .._base._memory_timeline import MemoryTimeline
 
 __all__ = ["Fit", "Measurement", "fit_phases", "measure_rank", "NOT_MEASURABLE", "PHASES"]
 

@@ -60,7 +60,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from ._common import join_name
+from .._base._common import join_name
 from ._runtime import before_step
 from ._unit import Unit
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ._checkpointing import check_grads_averaged, check_idle, take_user_writes
-from ._layout import held_numel
-from ._unit import BackwardState, Unit
-from .flat_param import FlatParamHandle
+from .._flat._layout import held_numel
+from .._engine._unit import BackwardState, Unit
+from .._flat._flat_param import FlatParamHandle
 
 _WHAT = "clip_grad_norm_()"
 

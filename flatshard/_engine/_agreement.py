@@ -19,12 +19,12 @@ from typing import Any, List
 
 import torch
 
-from ._collectives import all_gather_object, differences, fingerprint, item_at
-from ._common import display_name
-from ._exec_order import END_OF_BACKWARD, mismatch, token
-from ._host_checks import check_device
+from .._comm._collectives import all_gather_object, differences, fingerprint, item_at
+from .._base._common import display_name
+from .._flat._exec_order import END_OF_BACKWARD, mismatch, token
+from .._comm._host_checks import check_device
 from ._unit import Unit
-from .flat_param import FlatParamHandle
+from .._flat._flat_param import FlatParamHandle
 
 __all__ = ["AgreementChecks"]
 

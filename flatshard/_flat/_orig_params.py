@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._common import copy_fields
+from .._base._common import copy_fields
 
 __all__ = ["GradViews", "OrigParams", "Range", "stand_in"]
 

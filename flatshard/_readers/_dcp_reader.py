@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ._collectives import fingerprint
+from .._comm._collectives import fingerprint
 from ._stored import Piece, StoredTensor, sampled_digest
 
 __all__ = ["DcpReader", "is_dcp_checkpoint", "flat_range_boxes"]

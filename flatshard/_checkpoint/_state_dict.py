@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from ._checkpointing import agree_on_load, as_dtensor, check_idle, check_ranks_agree, full_value, is_dtensor, named_units, take_user_writes
-from ._common import HandleState, coerce_config, coerce_enum, display_name, join_name
-from ._errors import ConfigTypeError
+from .._base._common import HandleState, coerce_config, coerce_enum, display_name, join_name
+from .._base._errors import ConfigTypeError
 from ._local_shards import as_sharded_tensor, local_shard_problem, local_tensor
 from ._plain_view import plain_view
-from ._unit import Unit
-from .api import (
+from .._engine._unit import Unit
+from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -42,7 +42,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .flat_param import FlatParamHandle
+from .._flat._flat_param import FlatParamHandle
 
 # Where a LOCAL state dict's layout record is kept: an entry of its root's ``_metadata`` (FSDP1's
 # keys stay exactly its own); earlier development versions kept it under this name as a key.

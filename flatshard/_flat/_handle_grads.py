@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ._collectives import Communicator, Pending
-from ._common import guard_transition
+from .._comm._collectives import Communicator, Pending
+from .._base._common import guard_transition
 from ._orig_params import OrigParams, stand_in
 
 __all__ = ["HandleGrads", "HeldGrad", "to_host"]

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from ._collectives import (
+from .._comm._collectives import (
     Communicator,
     ProcessGroup,
     backend_of,
@@ -25,13 +25,13 @@ from ._collectives import (
     size_of,
     require_initialized,
 )
-from ._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
-from ._errors import ArgumentTypeError
+from .._base._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
+from .._base._errors import ArgumentTypeError
 from ._materialize import has_meta, materialize, retie
-from ._options import ConstructionOptions
-from ._unit import Unit, UnitConfig, unit_of
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from .flat_param import FlatParameter, FlatParamHandle, OrigParam, Precision
+from .._base._options import ConstructionOptions
+from .._engine._unit import Unit, UnitConfig, unit_of
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .._flat._flat_param import FlatParameter, FlatParamHandle, OrigParam, Precision
 
 _Buffers = List[Tuple[str, nn.Module, str, torch.Tensor]]  # (name, module, attribute, buffer)
 

@@ -26,8 +26,8 @@ from typing import Any, Callable, Container, Iterator, Optional, Tuple
 
 import torch
 
-from ._compile import outside_graph
-from .flat_param import storage_key_of
+from .._base._compile import outside_graph
+from ._flat_param import storage_key_of
 
 _Hooks = Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 

@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ._collectives import (
+from .._comm._collectives import (
     Communicator,
     ProcessGroup,
     default_group,
@@ -42,10 +42,10 @@ from ._collectives import (
     size_of,
     timeout_of,
 )
-from ._common import coerce_enum
-from ._host_checks import takes_cpu_tensors
-from ._options import ConstructionOptions
-from .api import ShardingStrategy
+from .._base._common import coerce_enum
+from .._comm._host_checks import takes_cpu_tensors
+from .._base._options import ConstructionOptions
+from ..api import ShardingStrategy
 
 __all__ = ["NodeGroups", "node_groups", "ranks_per_node"]
 

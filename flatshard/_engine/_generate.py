@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-from ._common import TrainingState
+from .._base._common import TrainingState
 from ._runtime import lazy_init, start_forward
 from ._unit import Unit
 

@@ -42,10 +42,10 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import nn
 
 from ._checkpointing import named_units
-from ._common import WRAPPED_MODULE
+from .._base._common import WRAPPED_MODULE
 from ._state_dict import load_model_state, model_state, restore_settings, snapshot_settings
-from ._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
-from .api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
+from .._engine._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
+from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
 
 class _Route:

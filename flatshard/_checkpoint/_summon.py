@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree, raise_together, take_user_writes
-from ._common import HandleState, TrainingState, display_name, join_name
-from ._errors import UnsupportedCombinationError
+from .._base._common import HandleState, TrainingState, display_name, join_name
+from .._base._errors import UnsupportedCombinationError
 from ._plain_view import install_params
-from ._unit import Unit
-from .flat_param import FlatParamHandle
+from .._engine._unit import Unit
+from .._flat._flat_param import FlatParamHandle
 
 _SUMMON = TrainingState.SUMMON_FULL_PARAMS
 _IDLE = TrainingState.IDLE

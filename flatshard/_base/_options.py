@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 from torch import nn
 
-from .api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["ConstructionOptions", "OPTION_NAMES", "NOT_PER_UNIT"]
 

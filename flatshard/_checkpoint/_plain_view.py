@@ -38,9 +38,9 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 import torch
 from torch import nn
 
-from ._unit import IN_PLAIN_VIEW, unit_of
-from ._common import attribute_set, clean_name
-from .flat_param import FlatParamHandle
+from .._engine._unit import IN_PLAIN_VIEW, unit_of
+from .._base._common import attribute_set, clean_name
+from .._flat._flat_param import FlatParamHandle
 
 _MISSING = object()
 

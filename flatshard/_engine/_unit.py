@@ -18,12 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 import torch
 import torch.distributed as dist
 
-from ._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
-from ._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
-from ._errors import DivergedRanksError
-from ._exec_order import ExecOrder
-from ._host_checks import host_check_comm
-from .api import (
+from .._comm._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
+from .._base._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
+from .._base._errors import DivergedRanksError
+from .._flat._exec_order import ExecOrder
+from .._comm._host_checks import host_check_comm
+from ..api import (
     BackwardPrefetch,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -32,7 +32,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from .flat_param import FlatParamHandle
+from .._flat._flat_param import FlatParamHandle
 
 
 @dataclass(frozen=True)

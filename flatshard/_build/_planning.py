@@ -21,13 +21,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from ._common import coerce_config, describe_module, display_name, join_name
+from .._base._common import coerce_config, describe_module, display_name, join_name
 from ._init import Ignored, check_options, check_params, check_ties, resolve_ignored
-from ._options import NOT_PER_UNIT, ConstructionOptions
-from ._unit import Unit, unit_of
-from .api import MixedPrecision
-from .flat_param import OrigParam
-from .wrap import ModuleWrapPolicy, select_units
+from .._base._options import NOT_PER_UNIT, ConstructionOptions
+from .._engine._unit import Unit, unit_of
+from ..api import MixedPrecision
+from .._flat._flat_param import OrigParam
+from ..wrap import ModuleWrapPolicy, select_units
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 

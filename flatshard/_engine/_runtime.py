@@ -40,16 +40,16 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._agreement import AgreementChecks
-from ._compile import dynamo_loaded, outside_graph
-from ._collectives import backend_of, default_store, global_rank, timeout_of
-from ._peer_failures import StepWatch, make_watch
-from ._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
-from ._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
-from ._saved import SavedParamGuard
-from ._shared_memory import SharedMemoryChannel
+from .._base._compile import dynamo_loaded, outside_graph
+from .._comm._collectives import backend_of, default_store, global_rank, timeout_of
+from .._comm._peer_failures import StepWatch, make_watch
+from .._base._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
+from .._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
+from .._flat._saved import SavedParamGuard
+from .._comm._shared_memory import SharedMemoryChannel
 from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
-from .api import BackwardPrefetch, ShardingStrategy
-from .flat_param import FlatParamHandle
+from ..api import BackwardPrefetch, ShardingStrategy
+from .._flat._flat_param import FlatParamHandle
 
 _IDLE = TrainingState.IDLE
 _FORWARD = TrainingState.FORWARD

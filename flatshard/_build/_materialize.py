@@ -19,8 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._common import describe_module, join_name
-from .flat_param import OrigParam
+from .._base._common import describe_module, join_name
+from .._flat._flat_param import OrigParam
 
 _Modules = Sequence[Tuple[str, nn.Module]]
 

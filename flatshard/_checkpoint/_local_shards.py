@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ._layout import held_numel
+from .._flat._layout import held_numel
 
 __all__ = ["as_sharded_tensor", "assemble", "described_shape", "is_sharded_tensor", "local_shard_problem", "local_tensor"]
 

@@ -22,12 +22,12 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, raise_on_every_rank
-from ._common import TrainingState, clean_name
-from ._errors import WrongStateError
+from .._comm._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, raise_on_every_rank
+from .._base._common import TrainingState, clean_name
+from .._base._errors import WrongStateError
 from ._local_shards import assemble, described_shape, is_sharded_tensor
-from ._runtime import reduce_held, settle
-from ._unit import Unit, unit_of
+from .._engine._runtime import reduce_held, settle
+from .._engine._unit import Unit, unit_of
 
 _SUMMON = TrainingState.SUMMON_FULL_PARAMS
 _IDLE = TrainingState.IDLE

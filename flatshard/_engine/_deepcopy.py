@@ -27,7 +27,7 @@ from typing import Any, Dict, Tuple
 
 from torch import nn
 
-from ._common import TrainingState
+from .._base._common import TrainingState
 from ._runtime import settle
 from ._stale_optimizer import watch_stale_optimizers
 from ._unit import Unit, root_of, unit_of
