@@ -334,6 +334,7 @@ class RunCheckpoints:
             rank_state: this rank's own state (given back at the same world size only).
         """
         _check_int("step", step, 0)
+        self._check_numpy("save")
         final = os.path.join(self.directory, step_name(step))
         partial = os.path.join(self.directory, _PARTIAL + step_name(step))
         if self._comm.rank == 0:
@@ -438,6 +439,7 @@ class RunCheckpoints:
                 optimizer lacks, or lacks some of theirs ([Note: reading checkpoints]), or has
                 no optimizer state while an optimizer was given.
         """
+        self._check_numpy("resume")
         found = self.latest()
         if found is None:
             return None
@@ -504,6 +506,32 @@ class RunCheckpoints:
         hint = " (pass optimizer=None to load the model only)" if owners == ["optimizer"] else ""
         return f"does not match the {' and '.join(owners)} (nothing was loaded): " + "; ".join(clauses) + hint
 
+    def _check_numpy(self, what: str) -> None:
+        """Raise on every rank, before any checkpoint I/O, where some rank lacks NumPy.
+
+        [Note: NumPy for sharded checkpoints] On more than one rank
+        ``torch.distributed.checkpoint`` exchanges its plans as pickled objects, which torch
+        turns back from bytes through NumPy; torch does not install NumPy, so without it a save
+        or load fails inside torch ("Numpy is not available"), after the ranks have started.
+        One small collective first (flatshard's own object collectives need no NumPy) turns
+        that into an error that names the missing package and the extra that installs it, on
+        every rank -- also where only some ranks lack it.
+        """
+        if self._comm.world_size == 1:
+            return
+        here = "available" if _numpy_works() else "missing"
+        difference = first_difference([here], self._comm, self._device)
+        if difference is None and here == "available":
+            return
+        if difference is None:
+            where = "on every rank"
+        else:
+            where = f"on rank {0 if difference.reference == 'missing' else difference.rank}"
+        raise ImportError(
+            f"RunCheckpoints.{what}: torch.distributed.checkpoint needs NumPy on more than one rank, and it is "
+            f'missing {where}: install it with pip install "flatshard[checkpoint]" (or pip install numpy)'
+        )
+
     def _agree(self, what: str, items: Sequence[str]) -> None:
         """Every rank passed the same ``items`` (else every rank raises, naming the first that differs)."""
         difference = first_difference(list(items), self._comm, self._device)
@@ -512,6 +540,15 @@ class RunCheckpoints:
                 f"RunCheckpoints.{what}: ranks disagree: rank {difference.rank} passed {difference.theirs!r} "
                 f"where rank 0 passed {difference.reference!r} (directory and step must be the same on every rank)"
             )
+
+
+def _numpy_works() -> bool:
+    """Whether torch can turn a tensor into a NumPy array here (what DCP needs of NumPy)."""
+    try:
+        torch.zeros(1).numpy()
+    except (RuntimeError, ImportError):
+        return False
+    return True
 
 
 def _unpickle(blob: Any) -> Any:

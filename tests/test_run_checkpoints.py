@@ -8,12 +8,16 @@ Training is ``tests/_models``' TinyLM with AdamW on a global batch split over th
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
+from unittest import mock
 
 import torch
 from expecttest import TestCase
 
+import flatshard.run_checkpoints as run_checkpoints_module
 from flatshard import ModuleWrapPolicy, RunCheckpoints, ShardedDataParallel, SkippedCheckpointWarning
 from flatshard.run_checkpoints import MANIFEST, file_problem, file_record, key_mismatch, leftovers, published_steps, read_manifest, step_name, stored_keys
 from tests._models import Block, batch, build, lm_loss
@@ -117,6 +121,21 @@ def _errors(rank, world_size, directory):
             messages.append("no error")
         except (TypeError, ValueError) as exc:
             messages.append(f"{type(exc).__name__}: {exc}".replace(directory, "<dir>"))
+    return messages
+
+
+def _without_numpy(rank, world_size, directory, missing_on):
+    """Save and resume where the ranks in ``missing_on`` lack NumPy; the errors, per call."""
+    model, optim = _setup()
+    checkpoints = RunCheckpoints(directory, model, optim)
+    messages = []
+    with mock.patch.object(run_checkpoints_module, "_numpy_works", lambda: rank not in missing_on):
+        for call in (lambda: checkpoints.save(1), checkpoints.resume):
+            try:
+                call()
+                messages.append("no error")
+            except ImportError as exc:
+                messages.append(f"ImportError: {exc}")
     return messages
 
 
@@ -248,6 +267,28 @@ TypeError: RunCheckpoints: model must be a ShardedDataParallel, got TinyLM
 ValueError: RunCheckpoints.save: ranks disagree: rank 1 passed '4' where rank 0 passed '3' (directory and step must be the same on every rank)
 ValueError: RunCheckpoints.resume: <dir>/step-00000001 has no optimizer state, but an optimizer was given (pass optimizer=None to load the model only)""",
         )
+
+    def test_without_numpy_every_rank_raises_naming_the_extra_before_any_io(self):
+        everywhere = self.pool.run(_without_numpy, 2, self._path("none"), (0, 1))
+        one = self.pool.run(_without_numpy, 3, self._path("one"), (2,))
+        self.assertEqual(everywhere[0], everywhere[1])
+        self.assertEqual(one[0], one[1])
+        self.assertEqual(one[0], one[2])
+        self.assertExpectedInline(
+            "\n".join(everywhere[0] + one[0]),
+            """\
+ImportError: RunCheckpoints.save: torch.distributed.checkpoint needs NumPy on more than one rank, and it is missing on every rank: install it with pip install "flatshard[checkpoint]" (or pip install numpy)
+ImportError: RunCheckpoints.resume: torch.distributed.checkpoint needs NumPy on more than one rank, and it is missing on every rank: install it with pip install "flatshard[checkpoint]" (or pip install numpy)
+ImportError: RunCheckpoints.save: torch.distributed.checkpoint needs NumPy on more than one rank, and it is missing on rank 2: install it with pip install "flatshard[checkpoint]" (or pip install numpy)
+ImportError: RunCheckpoints.resume: torch.distributed.checkpoint needs NumPy on more than one rank, and it is missing on rank 2: install it with pip install "flatshard[checkpoint]" (or pip install numpy)""",
+        )
+        self.assertFalse(os.path.exists(self._path("none")) or os.path.exists(self._path("one")))
+
+    def test_numpy_is_found_missing_where_torch_cannot_use_it(self):
+        code = "import sys; sys.modules['numpy'] = None; import flatshard.run_checkpoints as r; print(r._numpy_works())"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(done.stdout.strip(), "False", done.stderr)
+        self.assertTrue(run_checkpoints_module._numpy_works())
 
     def test_resume_into_a_model_with_fewer_layers_raises_naming_the_extra_keys(self):
         errors = self.pool.run(_mismatched, 2, self._path("3-into-2"), 3, 2)
