@@ -12,7 +12,7 @@ from torch import nn
 from ._checkpoint._clip import clip_grad_norm_
 from ._base._compile import dynamo_loaded
 from ._comm._collectives import ProcessGroup
-from ._base._common import WRAPPED_MODULE, TrainingState, clean_name, coerce_enum, display_name
+from ._base._common import WRAPPED_MODULE, TrainingState, clean_name, display_name
 from ._engine._deepcopy import copy_model
 from ._base._fsdp_markers import mark_fsdp_managed
 from ._engine._generate import generate_gathered
@@ -23,15 +23,10 @@ from ._base._options import ConstructionOptions
 from ._build._planning import make_plan, unit_options
 from ._engine._runtime import no_sync, run_forward
 from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
-from ._checkpoint._state_dict import (
-    get_settings,
-    load_model_state,
-    make_settings,
-    model_state,
-    restore_settings,
-    set_settings,
-    snapshot_settings,
-)
+from ._checkpoint import _optim_dicts as optim_dicts
+from ._checkpoint._optim_dicts import check_group, check_optim_args
+from ._checkpoint._state_dict import get_settings, load_model_state, make_settings, model_state, set_settings
+from ._checkpoint._state_dict import state_dict_type as settings_applied
 from ._checkpoint._summon import forward_while_summoned, summon_full_params
 from ._engine._unit import root_of
 from .api import (
@@ -46,7 +41,6 @@ from .api import (
     StateDictType,
 )
 from ._flat._flat_param import FlatParamHandle, OrigParam
-from ._checkpoint._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state, template_state
 
 __all__ = ["ShardedDataParallel"]
 
@@ -356,12 +350,8 @@ class ShardedDataParallel(nn.Module):
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> Iterator[None]:
         """``set_state_dict_type`` for the length of a ``with`` block (same arguments)."""
-        previous = snapshot_settings(module)
-        ShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-        try:
+        with settings_applied(module, state_dict_type, state_dict_config, optim_state_dict_config):
             yield
-        finally:
-            restore_settings(previous)  # each unit's own
 
     def state_dict(  # type: ignore[override]
         self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
@@ -372,9 +362,7 @@ class ShardedDataParallel(nn.Module):
         unit = self._unit
         if skips_in_tree_walk(unit, destination):  # see [Note: the wrapped module's state dict]
             return destination  # type: ignore[return-value]
-        for member in unit.members():
-            member.state_dict_route = None  # (a mark an exception left behind)
-        return model_state(self, destination, prefix, keep_vars)
+        return model_state(self, destination, prefix, keep_vars, get_settings(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a state dict of the selected type into the shards; ``strict`` as in torch
@@ -384,7 +372,7 @@ class ShardedDataParallel(nn.Module):
             raise NotImplementedError("load_state_dict(assign=True) is not supported: the values are copied into the shards")
         if not isinstance(strict, bool):
             raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
-        return load_model_state(self, state_dict, strict)
+        return load_model_state(self, state_dict, strict, get_settings(self))
 
     def _load_from_state_dict(
         self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -507,16 +495,15 @@ class ShardedDataParallel(nn.Module):
             rank0_only: materialise the dict on rank 0 only.
             group: the model's process group (``None``: the model's own).
         """
-        _optim_checks(model, optim, optim_input, group)
-        return gather_optim_state(model, optim, None, rank0_only, offload=True, sharded=False)
+        check_optim_args(model, optim, optim_input, group)
+        return optim_dicts.full_optim_state_dict(model, optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
         """The optimizer's state keyed by parameter names with ``DTensor`` parts (as in a
         ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
-        _optim_checks(model, optim, None, group)
-        with template_state(optim):
-            return gather_optim_state(model, optim, None, rank0_only=False, offload=False, sharded=True)
+        check_optim_args(model, optim, None, group)
+        return optim_dicts.sharded_optim_state_dict(model, optim)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -533,8 +520,7 @@ class ShardedDataParallel(nn.Module):
                 not ``model.parameters()`` and ``optim`` is not given.
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
-        target = LoadTarget(model, optim, optim_input)
-        return flatten_optim_state(model, full_optim_state_dict, target, "shard_full_optim_state_dict", collective=False)
+        return optim_dicts.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -546,16 +532,14 @@ class ShardedDataParallel(nn.Module):
     ) -> Dict[str, Any]:
         """``shard_full_optim_state_dict`` where only rank 0 has the full dict (the other
         ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
-        _check_group(model, group)
-        target = LoadTarget(model, optim, optim_input)
-        return scatter_optim_state(model, full_optim_state_dict, target, "scatter_full_optim_state_dict")
+        check_group(model, group)
+        return optim_dicts.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
         """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
         ``optim.load_state_dict()`` (works at any world size). Collective."""
-        target = LoadTarget(model, optim)
-        return flatten_optim_state(model, sharded_optim_state_dict, target, "flatten_sharded_optim_state_dict", collective=True)
+        return optim_dicts.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -576,14 +560,7 @@ class ShardedDataParallel(nn.Module):
             optim_input: the parameters the optimizer was built with, if not ``model.parameters()``.
             optim: the plain optimizer (instead of ``optim_input``).
         """
-        key_type = coerce_enum(optim_state_key_type, OptimStateKeyType, "optim_state_key_type")
-        if ShardedDataParallel.fsdp_modules(model):
-            raise ValueError(
-                "rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a "
-                "ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, "
-                "optim_state_dict)"
-            )
-        return rekey(optim_state_dict, key_type, model, optimizer_groups(model, optim, optim_input))  # type: ignore[arg-type]
+        return optim_dicts.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
 
     @staticmethod
     def optim_state_dict(
@@ -602,16 +579,8 @@ class ShardedDataParallel(nn.Module):
             optim_state_dict: ``optim.state_dict()`` to convert instead of ``optim``'s own.
             group: the model's process group (``None``: the model's own).
         """
-        _optim_checks(model, optim, None, group)
-        settings = get_settings(model)
-        config = settings.optim_state_dict_config
-        if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
-            rank0_only = getattr(config, "rank0_only", False)
-            return gather_optim_state(model, optim, optim_state_dict, rank0_only, config.offload_to_cpu, sharded=False)
-        if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            raise NotImplementedError("optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL or SHARDED")
-        with template_state(optim) if optim_state_dict is None else contextlib.nullcontext():
-            return gather_optim_state(model, optim, optim_state_dict, False, config.offload_to_cpu, sharded=True)
+        check_optim_args(model, optim, None, group)
+        return optim_dicts.optim_state_dict(model, optim, get_settings(model), optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -636,18 +605,8 @@ class ShardedDataParallel(nn.Module):
         """
         if is_named_optimizer:
             raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
-        _optim_checks(model, optim, None, group)
-        target = LoadTarget(model, optim, base_rates=True)  # see [Note: initial_lr in param groups]
-        settings = get_settings(model)
-        if settings.state_dict_type is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
-            # FSDP1's rank0_only load: only rank 0's dict counts (the others pass {}).
-            mine = optim_state_dict if _root_rank(model) == 0 else None
-            result = scatter_optim_state(model, mine, target, "optim_state_dict_to_load")
-        else:
-            result = flatten_optim_state(model, optim_state_dict, target, "optim_state_dict_to_load", collective=True)
-        if load_directly:
-            optim.load_state_dict(result)
-        return result
+        check_optim_args(model, optim, None, group)
+        return optim_dicts.optim_state_dict_to_load(model, optim, optim_state_dict, get_settings(model), load_directly)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);
@@ -699,27 +658,6 @@ def _is_cast(before: torch.Tensor, after: torch.Tensor) -> bool:
         after.device == before.device and after.shape == before.shape and after.dtype != before.dtype
         and after.dtype.is_floating_point and before.dtype.is_floating_point
     )
-
-
-def _check_group(model: nn.Module, group: Optional[ProcessGroup]) -> None:
-    roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
-    if not roots:
-        raise ValueError(f"{type(model).__name__} contains no ShardedDataParallel module")
-    if group is not None and group is not roots[0].process_group:
-        raise ValueError("group must be None or the process group the model is sharded over")
-
-
-def _root_rank(model: nn.Module) -> int:
-    roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
-    return roots[0].rank
-
-
-def _optim_checks(model: nn.Module, optim: Any, optim_input: Any, group: Optional[ProcessGroup]) -> None:
-    if not isinstance(optim, torch.optim.Optimizer):
-        raise TypeError(f"optim must be a torch.optim.Optimizer; got {type(optim).__name__}")
-    if optim_input is not None:
-        raise NotImplementedError("optim_input (FSDP1's deprecated alternative to optim) is not supported here; pass optim")
-    _check_group(model, group)
 
 
 def _wrap_planned_units(root: nn.Module, options: ConstructionOptions, node_groups: NodeGroups) -> List[OrigParam]:

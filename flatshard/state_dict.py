@@ -28,9 +28,8 @@ trainable parameter (what torch's ``strict`` loading expects) without changing t
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint.state_dict as _torch_sd
@@ -38,12 +37,22 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ._comm._collectives import Communicator, all_gather_object, broadcast_object, default_group
 from ._base._common import clean_name
-from ._checkpoint._plain_view import wrapped_by
-from .api import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+from ._checkpoint._checkpointing import model_root, named_units
+from ._checkpoint._optim_dicts import optim_state_dict, optim_state_dict_to_load
 from ._checkpoint._optim_state import OptimStateIndex, template_state
-from .sharded_data_parallel import ShardedDataParallel
+from ._checkpoint._plain_view import wrapped_by
+from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
+from ._comm._collectives import Communicator, all_gather_object, broadcast_object, default_group
+from ._engine._unit import unit_of
+from .api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 
 __all__ = [
     "StateDictOptions",
@@ -82,8 +91,12 @@ def get_model_state_dict(
         return _torch_sd.get_model_state_dict(model, submodules=submodules, options=options)
     opts = _checked_options(options, "get_model_state_dict")
     _warn_submodules(submodules)
-    with _state_dict_type(model, opts):
-        state = _without_outer_wrappers(model).state_dict()
+    settings, target = _settings(opts), _without_outer_wrappers(model)
+    if unit_of(target) is not None:
+        state = model_state(target, None, "", False, settings)
+    else:  # a plain module holding roots: its own state_dict() walks them
+        with state_dict_type(target, *_fields(settings)):
+            state = target.state_dict()
     if opts.ignore_frozen_params:
         for name in _frozen_names(model):
             state.pop(name, None)
@@ -113,13 +126,13 @@ def get_optimizer_state_dict(
     opts = _checked_options(options, "get_optimizer_state_dict")
     _warn_submodules(submodules)
     combined: Dict[str, Any] = {_STATE: {}, _GROUPS: []}
-    with _state_dict_type(model, opts):
-        for optim in optims:
-            with template_state(optim):
-                osd = ShardedDataParallel.optim_state_dict(model, optim)
-            if osd:
-                combined[_STATE].update(osd[_STATE])
-                combined[_GROUPS].extend(osd[_GROUPS])
+    settings = _settings(opts)
+    for optim in optims:
+        with template_state(optim):
+            osd = optim_state_dict(model, optim, settings)
+        if osd:
+            combined[_STATE].update(osd[_STATE])
+            combined[_GROUPS].extend(osd[_GROUPS])
     if opts.full_state_dict and (opts.cpu_offload or opts.broadcast_from_rank0) and _rank(model) != 0:
         return {}
     return _flatten_optim(combined) if opts.flatten_optimizer_state_dict else combined
@@ -231,7 +244,7 @@ def set_state_dict(
 def _has_units(model: nn.Module) -> bool:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
-    return bool(ShardedDataParallel.fsdp_modules(model))
+    return bool(named_units(model))
 
 
 def _checked_options(options: Any, what: str) -> StateDictOptions:
@@ -268,10 +281,9 @@ def _warn_submodules(submodules: Optional[Set[nn.Module]]) -> None:
         )
 
 
-@contextlib.contextmanager
-def _state_dict_type(model: nn.Module, opts: StateDictOptions) -> Iterator[None]:
-    """The model's state-dict type for ``opts``: torch's own mapping of the options onto
-    FSDP1's configs."""
+def _settings(opts: StateDictOptions) -> StateDictSettings:
+    """The FSDP1 settings ``opts`` stand for: torch's own mapping of the options onto FSDP1's
+    configs."""
     if opts.full_state_dict:
         kind = StateDictType.FULL_STATE_DICT
         config: Any = FullStateDictConfig(offload_to_cpu=opts.cpu_offload, rank0_only=opts.cpu_offload)
@@ -280,13 +292,15 @@ def _state_dict_type(model: nn.Module, opts: StateDictOptions) -> Iterator[None]
         kind = StateDictType.SHARDED_STATE_DICT
         config = ShardedStateDictConfig(offload_to_cpu=opts.cpu_offload)
         optim_config = ShardedOptimStateDictConfig(offload_to_cpu=opts.cpu_offload)
-    with ShardedDataParallel.state_dict_type(model, kind, config, optim_config):
-        yield
+    return StateDictSettings(kind, config, optim_config)
+
+
+def _fields(settings: StateDictSettings) -> Tuple[Any, Any, Any]:
+    return settings.state_dict_type, settings.state_dict_config, settings.optim_state_dict_config
 
 
 def _rank(model: nn.Module) -> int:
-    roots = ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model)
-    return roots[0].rank
+    return model_root(model).rank
 
 
 # -- model state ----------------------------------------------------------------------------
@@ -312,39 +326,37 @@ def _without_outer_wrappers(model: nn.Module) -> nn.Module:
     """``model`` without the checkpoint or compile wrappers around it, e.g. the root
     ``ShardedDataParallel`` of ``torch.compile(model)``, whose ``state_dict()`` would prefix
     every key with ``_orig_mod.`` (see [Note: wrapper prefixes] in ``_plain_view``)."""
-    inner = None if isinstance(model, ShardedDataParallel) else wrapped_by(model)
+    inner = None if unit_of(model) is not None else wrapped_by(model)
     while inner is not None:
         model = inner
-        inner = None if isinstance(model, ShardedDataParallel) else wrapped_by(model)
+        inner = None if unit_of(model) is not None else wrapped_by(model)
     return model
 
 
 def _load_model(model: nn.Module, state_dict: Mapping[str, Any], opts: StateDictOptions) -> _IncompatibleKeys:
     model = _without_outer_wrappers(model)
-    if not isinstance(model, ShardedDataParallel):
+    if unit_of(model) is None:
         raise NotImplementedError(
             f"set_model_state_dict: model is a {type(model).__name__} containing ShardedDataParallel modules; "
             f"loading needs the root ShardedDataParallel itself as the model"
         )
     if opts.broadcast_from_rank0:
         state_dict = _received_from_first(model, state_dict)
-        with _state_dict_type(model, StateDictOptions()):  # DTensor parts of the full values
-            return model.load_state_dict(state_dict, strict=opts.strict)
+        # (DTensor parts of the full values)
+        return load_model_state(model, state_dict, opts.strict, _settings(StateDictOptions()))
     if not state_dict and _empty_allowed(opts):
         # torch loads nothing here; every rank still joins the load's agreement check, so a
         # rank given a non-empty dict gets an error instead of waiting for this one.
-        with _state_dict_type(model, opts):
-            model.load_state_dict({}, strict=False)
+        load_model_state(model, {}, False, _settings(opts))
         return _IncompatibleKeys([], [])
-    with _state_dict_type(model, opts):  # (an empty dict fails there, on every rank)
-        return model.load_state_dict(state_dict, strict=opts.strict)
+    return load_model_state(model, state_dict, opts.strict, _settings(opts))  # (an empty dict fails there, on every rank)
 
 
 def _empty_allowed(opts: StateDictOptions) -> bool:
     return not opts.strict or opts.ignore_frozen_params or (opts.cpu_offload and opts.full_state_dict)
 
 
-def _received_from_first(model: ShardedDataParallel, state_dict: Mapping[str, Any]) -> Dict[str, Any]:
+def _received_from_first(model: nn.Module, state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """Rank 0's full ``state_dict`` on every rank, sent one tensor at a time; each rank keeps
     its ``DTensor`` part of a sharded parameter (peak: one full tensor beyond the parts)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -355,15 +367,15 @@ def _received_from_first(model: ShardedDataParallel, state_dict: Mapping[str, An
     skeleton = broadcast_object(skeleton, group)
     if skeleton[0] == "error":
         raise ValueError(f"[rank {comm.rank}] set_model_state_dict(broadcast_from_rank0=True): {skeleton[1]}")
-    with _state_dict_type(model, StateDictOptions()):
-        template = model.state_dict()
+    template = model_state(model, None, "", False, _settings(StateDictOptions()))
+    device = model_root(model).device
     out: Dict[str, Any] = {}
     for key, spec in skeleton[1]:
         if spec[0] == "value":
             out[key] = spec[1]
             continue
         _, shape, dtype = spec
-        tensor = state_dict[key].to(model.compute_device, copy=True) if comm.rank == 0 else torch.empty(shape, dtype=dtype, device=model.compute_device)
+        tensor = state_dict[key].to(device, copy=True) if comm.rank == 0 else torch.empty(shape, dtype=dtype, device=device)
         comm.broadcast_from_first(tensor)
         local = template.get(key)
         if isinstance(local, DTensor) and tuple(local.shape) == tuple(shape):
@@ -406,9 +418,9 @@ def _load_optims(model: nn.Module, optims: Sequence[torch.optim.Optimizer], osd:
         except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
             error = (type(exc).__name__, str(exc))
     _raise_together(model, error, only_first)
+    settings = _settings(opts)
     for optim, part in zip(optims, parts):
-        with _state_dict_type(model, opts):
-            ShardedDataParallel.optim_state_dict_to_load(model, optim, part, load_directly=True)
+        optim_state_dict_to_load(model, optim, part, settings, load_directly=True)
 
 
 def _parts(index: OptimStateIndex, optims: Sequence[torch.optim.Optimizer], osd: Any, strict: bool) -> List[Dict[str, Any]]:
@@ -428,8 +440,8 @@ def _raise_together(model: nn.Module, error: Optional[Tuple[str, str]], only_fir
     """Raise ``error`` (or another rank's) on every rank: rank 0's when only it checked the
     input, else the first failing rank's. One small collective, so no rank waits for a rank
     that failed."""
-    root = (ShardedDataParallel.fsdp_modules(model, root_only=True) or ShardedDataParallel.fsdp_modules(model))[0]
-    group = root.process_group
+    root = model_root(model)
+    group = root.group
     if only_first:
         errors = [broadcast_object(error, group)]
     else:

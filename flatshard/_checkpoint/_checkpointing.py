@@ -43,6 +43,16 @@ def named_units(module: nn.Module) -> List[Tuple[str, Unit]]:
     return [(clean_name(path), unit) for path, unit in found if unit is not None]
 
 
+def model_root(module: nn.Module) -> Unit:
+    """The outermost unit in ``module``'s tree (the first in module order), whose rank and
+    group a whole-model operation uses; a ``ValueError`` if ``module`` holds no unit."""
+    units = [unit for _, unit in named_units(module)]
+    if not units:
+        raise ValueError(f"{type(module).__name__} contains no ShardedDataParallel module")
+    roots = [unit for unit in units if unit.parent is None]
+    return (roots or units)[0]
+
+
 # -- guards -------------------------------------------------------------------------------
 
 

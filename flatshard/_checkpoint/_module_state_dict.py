@@ -43,7 +43,7 @@ from torch import nn
 
 from ._checkpointing import named_units
 from .._base._common import WRAPPED_MODULE
-from ._state_dict import load_model_state, model_state, restore_settings, snapshot_settings
+from ._state_dict import get_settings, load_model_state, model_state, restore_settings, snapshot_settings
 from .._engine._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
 from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
@@ -112,7 +112,7 @@ class _Route:
             part._metadata = OrderedDict(  # type: ignore[attr-defined]
                 ("" if k == own else k[len(prefix) :], v) for k, v in metadata.items() if k == own or k.startswith(prefix)
             )
-        result = load_model_state(wrapper, part, strict=False)
+        result = load_model_state(wrapper, part, strict=False, settings=get_settings(wrapper))
         missing_keys.extend(prefix + key for key in result.missing_keys)
         unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
         for unit in units:
@@ -170,6 +170,6 @@ def full_state(wrapper: nn.Module, prefix: str, keep_vars: bool) -> Dict[str, An
         for unit, settings in snapshot:
             if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
                 unit.use_state_dict_settings(full)
-        return model_state(wrapper, None, prefix, keep_vars)
+        return model_state(wrapper, None, prefix, keep_vars, get_settings(wrapper))
     finally:
         restore_settings(snapshot)

@@ -17,9 +17,10 @@ agreement] in ``_checkpointing``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -105,6 +106,20 @@ def restore_settings(snapshot: Sequence[Tuple[Unit, StateDictSettings]]) -> None
         unit.use_state_dict_settings(settings)
 
 
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
+) -> Iterator[None]:
+    """Every unit under ``module`` with the given settings for the length of a ``with`` block;
+    each unit gets its own settings back afterwards."""
+    previous = snapshot_settings(module)
+    set_settings(module, make_settings(state_dict_type, state_dict_config, optim_state_dict_config))
+    try:
+        yield
+    finally:
+        restore_settings(previous)
+
+
 def get_settings(module: nn.Module) -> StateDictSettings:
     """The settings shared by every unit under ``module`` (an error if they differ)."""
     named = named_units(module)
@@ -124,14 +139,17 @@ def get_settings(module: nn.Module) -> StateDictSettings:
 # -- saving -------------------------------------------------------------------------------
 
 
-def model_state(wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefix: str, keep_vars: bool) -> Dict[str, Any]:
-    """``wrapper.state_dict()`` in the form its state-dict type selects (see
-    [Note: state dicts unit by unit])."""
+def model_state(
+    wrapper: nn.Module, destination: Optional[Dict[str, Any]], prefix: str, keep_vars: bool, settings: StateDictSettings
+) -> Dict[str, Any]:
+    """``wrapper.state_dict()`` in the form ``settings`` select (see [Note: state dicts unit by
+    unit]); the units' own settings are not read ([Note: direct checkpoint paths])."""
     named = named_units(wrapper)
     units = [unit for _, unit in named]
+    for unit in units:
+        unit.state_dict_route = None  # (a mark an exception left behind)
     check_idle(units, "state_dict()")
     take_user_writes(units, "state_dict()")
-    settings = get_settings(wrapper)
     kind, config = settings.state_dict_type, settings.state_dict_config
     handles = [h for unit in units for h in unit.handles]
     root = units[0]
@@ -251,15 +269,15 @@ def _local_layout(named: Sequence[Tuple[str, Unit]]) -> Dict[str, Any]:
 # -- loading ------------------------------------------------------------------------------
 
 
-def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> Any:
-    """``wrapper.load_state_dict(state_dict, strict)`` for its state-dict type."""
+def load_model_state(wrapper: nn.Module, state_dict: Mapping[str, Any], strict: bool, settings: StateDictSettings) -> Any:
+    """``wrapper.load_state_dict(state_dict, strict)`` for the state-dict type of ``settings``."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_state_dict: state_dict must be a mapping (e.g. a dict); got {type(state_dict).__name__}")
     named = named_units(wrapper)
     units = [unit for _, unit in named]
     check_idle(units, "load_state_dict()")
     take_user_writes(units, "load_state_dict()")
-    kind = get_settings(wrapper).state_dict_type
+    kind = settings.state_dict_type
     handles = [h for unit in units for h in unit.handles]
     if kind is StateDictType.LOCAL_STATE_DICT:
         return _load_local(wrapper, named, handles, state_dict, strict)
