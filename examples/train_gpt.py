@@ -267,7 +267,7 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
 def _shutdown() -> None:
     # flatshard's destroy_process_group frees the groups while Python still runs; torch's alone can
     # leave a gloo group to die at interpreter exit, which can abort the finished process
-    # (README, "Things to know").
+    # (docs/training.md, "Ending a job").
     flatshard.destroy_process_group()
 
 

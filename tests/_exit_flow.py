@@ -4,7 +4,7 @@
 
 It spawns WORLD gloo ranks that wrap and train a small model, then either save a sharded
 checkpoint through ``torch.distributed.checkpoint`` or load one saved at another world size
-and train on from it. Each rank ends the way the README's "Things to know" says a job should:
+and train on from it. Each rank ends the way docs/training.md ("Ending a job") says a job should:
 ``flatshard.destroy_process_group()`` after its last collective, which must free the default
 group (no warning, no reference left). The process exits 0 only if every rank did.
 """

@@ -175,7 +175,7 @@ class Run:
             # set_to_none=True: a backward that raised leaves partial gradients on the
             # parameters autograd finished before the error; zeroing them in place would
             # keep zero gradients on exactly those, which a FlatParameter (all of its
-            # parameters, or none) cannot mirror (README, "Things to know").
+            # parameters, or none) cannot mirror (docs/training.md, "After a backward that raised").
             self.optim.zero_grad(set_to_none=True)
             self.grads_dropped()
 
@@ -511,7 +511,7 @@ class ShardedRun(Run):
     # -- checkpoints ----------------------------------------------------------------------
 
     def leader(self) -> bool:
-        """Rank 0 of the shard group: where rank0_only outputs land (README, hybrid)."""
+        """Rank 0 of the shard group: where rank0_only outputs land (docs/training.md, "Hybrid sharding")."""
         if self.group is None:
             return self.rank == 0
         return dist.get_rank(self.group[0]) == 0
@@ -540,7 +540,7 @@ class ShardedRun(Run):
     def save(self, step: int) -> None:
         mode = self.case.checkpoint["mode"]
         if mode == "sharded":
-            # README: units without optimizer state resume through the full form (decided by
+            # docs/checkpoints.md ("Optimizer state"): units without optimizer state resume through the full form (decided by
             # all ranks: with use_orig_params a parameter with no part in a rank's shard has no
             # gradient and no state there)
             stateless = any(p.requires_grad and p.numel() and not self.optim.state.get(p) for p in self.model.parameters())

@@ -475,7 +475,7 @@ def _frozen_units_get_nothing(rank: int, world_size: int) -> List[Any]:
 
 def _freeze_inside_a_unit(rank: int, world_size: int) -> List[bool]:
     """A submodule inside a unit holds no parameters after wrapping: its requires_grad_()
-    reaches nothing (README, "Things to know")."""
+    reaches nothing (docs/training.md, "Freezing and unfreezing")."""
     model = wrap(build(), "nested")
     model.module.norm.requires_grad_(False)  # (in the root unit, flattened there)
     return [h.requires_grad for h in model.handles] + [len(list(model.module.norm.parameters())) == 0]

@@ -274,7 +274,23 @@ def _wrong_time(rank, world_size):
     return out
 
 
+def _units_over_different_groups(rank, world_size):
+    """A nested unit over another group object (of the same ranks) than the root's."""
+    other = dist.new_group(list(range(world_size)))
+    model = build()
+    model.blocks[0] = ShardedDataParallel(model.blocks[0], process_group=other)
+    model = ShardedDataParallel(model)
+    tokens, targets = (local(t, rank) for t in batch(0, world_size))
+    lm_loss(model(tokens), targets).backward()
+    return _message(lambda: _clip(model, 1.0), NotImplementedError)
+
+
 class ErrorsTest(TestCase):
+    def test_units_sharded_over_different_process_groups_are_not_supported(self):
+        messages = self.pool.run(_units_over_different_groups, 2)
+        self.assertEqual(messages[0], messages[1])
+        self.assertExpectedInline(messages[0], """clip_grad_norm_() with units sharded over different process groups is not supported""")
+
     def test_bad_arguments(self):
         messages = self.pool.run(_bad_arguments, 1)[0]
         self.assertExpectedInline(
@@ -303,7 +319,7 @@ no_sync: [rank R] unit the root module: clip_grad_norm_() inside no_sync() after
 
 
 def _torch_clip_on_shards(rank, world_size, orig):
-    """What README's migration notes say: torch.nn.utils.clip_grad_norm_ on the wrapped model's
+    """What docs/migrating.md says: torch.nn.utils.clip_grad_norm_ on the wrapped model's
     parameters sees only this rank's shard (each rank a different norm, none the model's);
     model.clip_grad_norm_ gives the single-process norm."""
     from tests._models import wrap

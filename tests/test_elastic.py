@@ -1,6 +1,6 @@
 """Elastic restarts under the real launcher: two ``torchrun`` launchers ("nodes" of two ranks,
 c10d rendezvous on 127.0.0.1, ``--max-restarts 3``) run ``examples/train_gpt.py --strategy
-HYBRID_SHARD --resume DIR --save-every 4``, as the README's recipe says.
+HYBRID_SHARD --resume DIR --save-every 4``, as docs/multinode.md's recipe says.
 
 - A worker SIGKILLed mid-step, then another mid-save: the survivors fail within seconds,
   torchrun restarts the group, ``--resume`` loads the newest complete checkpoint, and the run
@@ -12,7 +12,7 @@ HYBRID_SHARD --resume DIR --save-every 4``, as the README's recipe says.
   size (2 × 2 → 1 × 2), from the newest checkpoint; its final model equals single-process
   training on the batches each step saw (four ranks' before the resumed step, two ranks' after).
 
-The launchers run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (README, "Many machines"):
+The launchers run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/multinode.md):
 with torch's default the workers share the rendezvous store without a per-round prefix, and a
 restart read the previous round's addresses ("Gloo connectFullMesh failed ... Connection
 refused") until the restarts ran out.

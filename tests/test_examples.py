@@ -1,4 +1,4 @@
-"""The README's example runs: by itself (2 spawned CPU ranks) and under torchrun."""
+"""The main example (the README's first Set-up command) runs: by itself (2 spawned CPU ranks) and under torchrun."""
 
 import importlib.util
 import os

@@ -1,4 +1,4 @@
-"""What README.md says about torch FSDP1, checked against torch FSDP1 itself.
+"""What README.md and docs/migrating.md say about torch FSDP1, checked against torch FSDP1 itself.
 
 The "What is better" list compares flatshard with FSDP1: flatshard's own tests show the
 flatshard side; each test here runs the same case under torch FSDP1 (``use_orig_params=False``,

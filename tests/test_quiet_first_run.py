@@ -1,4 +1,4 @@
-"""On a machine without NumPy the README's first command and ``python -m flatshard.plan`` print
+"""On a machine without NumPy the main example and ``python -m flatshard.plan`` print
 no warnings.
 
 torch warns at import when NumPy is missing ("Failed to initialize NumPy: No module named

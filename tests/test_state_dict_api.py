@@ -281,6 +281,19 @@ def _fsdp1_save(rank, world_size, directory):
 # -- errors ----------------------------------------------------------------------------------
 
 
+def _fqn_modifiers(rank, world_size):
+    model, optim = _trained(rank, world_size)
+    options = StateDictOptions(dsd_fqn_modifiers="_fqn_modifiers_of_my_own")
+    out = []
+    for call in (lambda: get_model_state_dict(model, options=options), lambda: get_optimizer_state_dict(model, optim, options=options)):
+        try:
+            call()
+            out.append("no error")
+        except NotImplementedError as exc:
+            out.append(f"NotImplementedError: {exc}")
+    return out
+
+
 def _errors(rank, world_size):
     model, optim = _trained(rank, world_size)
     full_model, full_optim = get_state_dict(model, optim, options=FULL)
@@ -374,6 +387,13 @@ class StateDictApiTest(TestCase):
         for resumed_at in (2, 3):
             with self.subTest(resumed_at=resumed_at):
                 self.pool.run(_resume_sharded, resumed_at, self.directory)
+
+    def test_dsd_fqn_modifiers_other_than_the_default_are_not_supported(self):
+        messages = self.pool.run(_fqn_modifiers, 2)
+        self.assertEqual(messages[0], messages[1])
+        self.assertExpectedInline("\n".join(messages[0]), """\
+NotImplementedError: get_model_state_dict: StateDictOptions.dsd_fqn_modifiers other than the default is not supported on ShardedDataParallel models
+NotImplementedError: get_optimizer_state_dict: StateDictOptions.dsd_fqn_modifiers other than the default is not supported on ShardedDataParallel models""")
 
     def test_errors(self):
         messages = self.pool.run(_errors, 2)[0]

@@ -17,7 +17,8 @@ handle takes such writes into the shard:
 Between a unit's forward and its backward, autograd computes the gradients with these views,
 so a view replaced or rebound then is refused at the backward (as FSDP1 refuses it): the
 runtime asks ``changed``. A write through a view's ``.data`` alias in place (``w.data.mul_``)
-changes no version counter and stays invisible; the README says so.
+changes no version counter and stays invisible; docs/training.md ("Writes to parameters")
+says so.
 """
 
 from __future__ import annotations
