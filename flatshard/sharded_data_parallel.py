@@ -23,8 +23,18 @@ from ._base._options import ConstructionOptions
 from ._build._planning import make_plan, unit_options
 from ._engine._runtime import no_sync, run_forward
 from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
-from ._checkpoint import _optim_dicts as optim_dicts
-from ._checkpoint._optim_dicts import check_group, check_optim_args
+from ._checkpoint._optim_dicts import (
+    check_group,
+    check_optim_args,
+    flatten_sharded_optim_state,
+    gather_full_optim_state,
+    gather_sharded_optim_state,
+    optim_state_for,
+    optim_state_to_load,
+    rekey_plain_optim_state,
+    scatter_full_optim_state,
+    shard_full_optim_state,
+)
 from ._checkpoint._state_dict import get_settings, load_model_state, make_settings, model_state, set_settings
 from ._checkpoint._state_dict import state_dict_type as settings_applied
 from ._checkpoint._summon import forward_while_summoned, summon_full_params
@@ -496,14 +506,14 @@ class ShardedDataParallel(nn.Module):
             group: the model's process group (``None``: the model's own).
         """
         check_optim_args(model, optim, optim_input, group)
-        return optim_dicts.full_optim_state_dict(model, optim, rank0_only)
+        return gather_full_optim_state(model, optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
         """The optimizer's state keyed by parameter names with ``DTensor`` parts (as in a
         ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
         check_optim_args(model, optim, None, group)
-        return optim_dicts.sharded_optim_state_dict(model, optim)
+        return gather_sharded_optim_state(model, optim)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -520,7 +530,7 @@ class ShardedDataParallel(nn.Module):
                 not ``model.parameters()`` and ``optim`` is not given.
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
-        return optim_dicts.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+        return shard_full_optim_state(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -533,13 +543,13 @@ class ShardedDataParallel(nn.Module):
         """``shard_full_optim_state_dict`` where only rank 0 has the full dict (the other
         ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
         check_group(model, group)
-        return optim_dicts.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+        return scatter_full_optim_state(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
         """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
         ``optim.load_state_dict()`` (works at any world size). Collective."""
-        return optim_dicts.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
+        return flatten_sharded_optim_state(sharded_optim_state_dict, model, optim)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -560,7 +570,7 @@ class ShardedDataParallel(nn.Module):
             optim_input: the parameters the optimizer was built with, if not ``model.parameters()``.
             optim: the plain optimizer (instead of ``optim_input``).
         """
-        return optim_dicts.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
+        return rekey_plain_optim_state(optim_state_dict, optim_state_key_type, model, optim_input, optim)
 
     @staticmethod
     def optim_state_dict(
@@ -580,7 +590,7 @@ class ShardedDataParallel(nn.Module):
             group: the model's process group (``None``: the model's own).
         """
         check_optim_args(model, optim, None, group)
-        return optim_dicts.optim_state_dict(model, optim, get_settings(model), optim_state_dict)
+        return optim_state_for(model, optim, get_settings(model), optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -606,7 +616,7 @@ class ShardedDataParallel(nn.Module):
         if is_named_optimizer:
             raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
         check_optim_args(model, optim, None, group)
-        return optim_dicts.optim_state_dict_to_load(model, optim, optim_state_dict, get_settings(model), load_directly)
+        return optim_state_to_load(model, optim, optim_state_dict, get_settings(model), load_directly)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);

@@ -39,7 +39,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from ._base._common import clean_name
 from ._checkpoint._checkpointing import model_root, named_units
-from ._checkpoint._optim_dicts import optim_state_dict, optim_state_dict_to_load
+from ._checkpoint._optim_dicts import optim_state_for, optim_state_to_load
 from ._checkpoint._optim_state import OptimStateIndex, template_state
 from ._checkpoint._plain_view import wrapped_by
 from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
@@ -129,7 +129,7 @@ def get_optimizer_state_dict(
     settings = _settings(opts)
     for optim in optims:
         with template_state(optim):
-            osd = optim_state_dict(model, optim, settings)
+            osd = optim_state_for(model, optim, settings)
         if osd:
             combined[_STATE].update(osd[_STATE])
             combined[_GROUPS].extend(osd[_GROUPS])
@@ -420,7 +420,7 @@ def _load_optims(model: nn.Module, optims: Sequence[torch.optim.Optimizer], osd:
     _raise_together(model, error, only_first)
     settings = _settings(opts)
     for optim, part in zip(optims, parts):
-        optim_state_dict_to_load(model, optim, part, settings, load_directly=True)
+        optim_state_to_load(model, optim, part, settings, load_directly=True)
 
 
 def _parts(index: OptimStateIndex, optims: Sequence[torch.optim.Optimizer], osd: Any, strict: bool) -> List[Dict[str, Any]]:

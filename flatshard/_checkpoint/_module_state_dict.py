@@ -41,11 +41,9 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from torch import nn
 
-from ._checkpointing import named_units
 from .._base._common import WRAPPED_MODULE
-from ._state_dict import get_settings, load_model_state, model_state, restore_settings, snapshot_settings
+from ._state_dict import get_settings, load_model_state, model_state
 from .._engine._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
-from ..api import FullOptimStateDictConfig, FullStateDictConfig, StateDictSettings, StateDictType
 
 
 class _Route:
@@ -161,15 +159,4 @@ def full_state(wrapper: nn.Module, prefix: str, keep_vars: bool) -> Dict[str, An
     """``wrapper``'s ``FULL_STATE_DICT`` with keys under ``prefix``: with the model's own
     ``FullStateDictConfig`` if its type is ``FULL_STATE_DICT``, else the default one.
     Collective."""
-    named = named_units(wrapper)
-    for _, unit in named:
-        unit.state_dict_route = None
-    snapshot = snapshot_settings(wrapper)
-    full = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
-    try:
-        for unit, settings in snapshot:
-            if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:
-                unit.use_state_dict_settings(full)
-        return model_state(wrapper, None, prefix, keep_vars, get_settings(wrapper))
-    finally:
-        restore_settings(snapshot)
+    return model_state(wrapper, None, prefix, keep_vars, get_settings(wrapper, full=True))

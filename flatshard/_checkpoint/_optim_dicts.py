@@ -27,14 +27,14 @@ from ._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, o
 __all__ = [
     "check_group",
     "check_optim_args",
-    "full_optim_state_dict",
-    "sharded_optim_state_dict",
-    "shard_full_optim_state_dict",
-    "scatter_full_optim_state_dict",
-    "flatten_sharded_optim_state_dict",
-    "rekey_optim_state_dict",
-    "optim_state_dict",
-    "optim_state_dict_to_load",
+    "gather_full_optim_state",
+    "gather_sharded_optim_state",
+    "shard_full_optim_state",
+    "scatter_full_optim_state",
+    "flatten_sharded_optim_state",
+    "rekey_plain_optim_state",
+    "optim_state_for",
+    "optim_state_to_load",
 ]
 
 
@@ -54,35 +54,35 @@ def check_optim_args(model: nn.Module, optim: Any, optim_input: Any, group: Opti
     check_group(model, group)
 
 
-def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool) -> Dict[str, Any]:
+def gather_full_optim_state(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool) -> Dict[str, Any]:
     """Full, name-keyed optimizer state on the CPU (``{}`` off rank 0 with ``rank0_only``)."""
     return gather_optim_state(model, optim, None, rank0_only, offload=True, sharded=False)
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+def gather_sharded_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
     """Name-keyed optimizer state with ``DTensor`` parts, a template for every parameter."""
     with template_state(optim):
         return gather_optim_state(model, optim, None, rank0_only=False, offload=False, sharded=True)
 
 
-def shard_full_optim_state_dict(full: Dict[str, Any], model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+def shard_full_optim_state(full: Dict[str, Any], model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     """This rank's ID-keyed part of a full optimizer state dict every rank holds."""
     target = LoadTarget(model, optim, optim_input)
     return flatten_optim_state(model, full, target, "shard_full_optim_state_dict", collective=False)
 
 
-def scatter_full_optim_state_dict(full: Optional[Dict[str, Any]], model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+def scatter_full_optim_state(full: Optional[Dict[str, Any]], model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
     """This rank's ID-keyed part of the full optimizer state dict only rank 0 holds."""
     target = LoadTarget(model, optim, optim_input)
     return scatter_optim_state(model, full, target, "scatter_full_optim_state_dict")
 
 
-def flatten_sharded_optim_state_dict(sharded: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+def flatten_sharded_optim_state(sharded: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
     """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID."""
     return flatten_optim_state(model, sharded, LoadTarget(model, optim), "flatten_sharded_optim_state_dict", collective=True)
 
 
-def rekey_optim_state_dict(
+def rekey_plain_optim_state(
     osd: Dict[str, Any], key_type: Any, model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]
 ) -> Dict[str, Any]:
     """A plain model's optimizer state dict re-keyed between parameter names and IDs."""
@@ -96,7 +96,7 @@ def rekey_optim_state_dict(
     return rekey(osd, kind, model, optimizer_groups(model, optim, optim_input))  # type: ignore[arg-type]
 
 
-def optim_state_dict(
+def optim_state_for(
     model: nn.Module, optim: torch.optim.Optimizer, settings: StateDictSettings, source: Optional[Dict[str, Any]] = None
 ) -> Dict[str, Any]:
     """Name-keyed optimizer state in the form ``settings`` select: full tensors
@@ -112,7 +112,7 @@ def optim_state_dict(
         return gather_optim_state(model, optim, source, False, config.offload_to_cpu, sharded=True)
 
 
-def optim_state_dict_to_load(
+def optim_state_to_load(
     model: nn.Module, optim: torch.optim.Optimizer, osd: Dict[str, Any], settings: StateDictSettings, load_directly: bool
 ) -> Dict[str, Any]:
     """The inverse of ``optim_state_dict``: this rank's ID-keyed state, loaded into ``optim``

@@ -120,20 +120,29 @@ def state_dict_type(
         restore_settings(previous)
 
 
-def get_settings(module: nn.Module) -> StateDictSettings:
-    """The settings shared by every unit under ``module`` (an error if they differ)."""
+def get_settings(module: nn.Module, full: bool = False) -> StateDictSettings:
+    """The settings shared by every unit under ``module`` (an error if they differ). ``full``:
+    each unit's settings as a ``FULL_STATE_DICT`` -- its own where its type is that, else the
+    type's defaults (what the wrapped module's own ``state_dict()`` gives)."""
     named = named_units(module)
     if not named:
         raise ValueError(f"get_state_dict_type: {type(module).__name__} contains no ShardedDataParallel module")
-    first_name, first = named[0]
-    for name, unit in named[1:]:
-        if unit.state_dict_settings != first.state_dict_settings:
+    seen = [(name, _as_full(unit.state_dict_settings) if full else unit.state_dict_settings) for name, unit in named]
+    first_name, first = seen[0]
+    for name, settings in seen[1:]:
+        if settings != first:
             raise ValueError(
                 f"the ShardedDataParallel units under {type(module).__name__} have different state-dict "
-                f"settings: {display_name(first_name)} has {first.state_dict_settings}, {display_name(name)} has "
-                f"{unit.state_dict_settings}; use set_state_dict_type on the whole model"
+                f"settings: {display_name(first_name)} has {first}, {display_name(name)} has "
+                f"{settings}; use set_state_dict_type on the whole model"
             )
-    return dataclasses.replace(first.state_dict_settings)
+    return dataclasses.replace(first)
+
+
+def _as_full(settings: StateDictSettings) -> StateDictSettings:
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        return settings
+    return StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
 
 
 # -- saving -------------------------------------------------------------------------------
