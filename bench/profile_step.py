@@ -45,8 +45,11 @@ def _timed_all_gathers(numel: int, repeats: int) -> List[float]:
     """Seconds of each of ``repeats`` all-gathers of ``numel`` float32 per rank, after a warm-up,
     done the way flatshard does them (``Communicator.all_gather``)."""
     from flatshard._comm._collectives import Communicator
+    from flatshard._comm._guard import make_guard
 
     comm = Communicator(dist.group.WORLD)
+    # (flatshard's collectives run inside a guarded call: [Note: one guarded path])
+    make_guard([comm], torch.device("cpu")).open("the loopback measurement", eager=True)
     shard = torch.ones(numel, dtype=torch.float32)
     out = torch.empty(numel * dist.get_world_size())
     comm.all_gather(out, shard)  # warm up

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import nn
 
-from ._checkpoint._checkpointing import check_idle, communicators, named_units, raise_together, take_user_writes
+from ._checkpoint._checkpointing import check_idle, communicators, guarded_call, named_units, raise_together, take_user_writes
 from ._comm._collectives import first_difference
 from ._readers._dcp_reader import DcpReader, is_dcp_checkpoint
 from ._checkpoint._plain_view import plain_view
@@ -89,6 +89,12 @@ def load_pretrained(
     Returns:
         ``IncompatibleKeys(missing_keys, unexpected_keys)``.
     """
+    target = model if isinstance(model, nn.Module) else []
+    with guarded_call(target, _WHAT, clears=True):  # ([Note: one guarded path] in _comm/_guard)
+        return _load_pretrained(model, checkpoint, rename, strict)
+
+
+def _load_pretrained(model: nn.Module, checkpoint: Any, rename: Optional[Callable[[str], Optional[str]]], strict: bool) -> IncompatibleKeys:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_WHAT}: model must be an nn.Module; got {type(model).__name__}")
     if not isinstance(checkpoint, (str, os.PathLike)):

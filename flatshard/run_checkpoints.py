@@ -69,6 +69,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference
+from ._comm._guard import make_guard
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
 
@@ -301,6 +302,8 @@ class RunCheckpoints:
         # (holds the group weakly: see [Note: ending cleanly] in ``teardown``)
         self._comm = Communicator(process_group if process_group is not None else default_group())
         self._device = object_device(self.group)
+        # Its own calls' guard ([Note: one guarded path] in ``_comm/_guard``).
+        self._guard = make_guard([self._comm], self._device)
 
     @property
     def group(self) -> ProcessGroup:
@@ -333,6 +336,10 @@ class RunCheckpoints:
             state: the run's state that is the same on every rank (rank 0's is saved).
             rank_state: this rank's own state (given back at the same world size only).
         """
+        with self._guard.call("RunCheckpoints.save()"):
+            return self._save(step, state, rank_state)
+
+    def _save(self, step: int, state: Any, rank_state: Any) -> str:
         _check_int("step", step, 0)
         self._check_numpy("save")
         final = os.path.join(self.directory, step_name(step))
@@ -345,7 +352,7 @@ class RunCheckpoints:
         metadata = dcp.save(self._state_to_save(step, state, rank_state), checkpoint_id=partial, process_group=self.group)
         files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
         mine = {name: file_record(os.path.join(partial, name)) for name in files[self._comm.rank :: self._comm.world_size]}
-        records = {name: record for share in all_gather_object(mine, self.group) for name, record in share.items()}
+        records = {name: record for share in all_gather_object(mine, self._comm) for name, record in share.items()}
         if self._comm.rank == 0:
             self._publish(partial, final, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
             self._prune(step)
@@ -403,13 +410,17 @@ class RunCheckpoints:
         """The newest checkpoint that verifies ([Note: reading checkpoints]) and its manifest,
         or ``None``; warns (``SkippedCheckpointWarning``) about every directory passed over.
         Collective."""
+        with self._guard.call("RunCheckpoints.latest()"):
+            return self._latest()
+
+    def _latest(self) -> Optional[Tuple[str, Dict[str, Any]]]:
         found = (published_steps(self.directory), leftovers(self.directory)) if self._comm.rank == 0 else None
-        candidates, left = broadcast_object(found, self.group)
+        candidates, left = broadcast_object(found, self._comm)
         for path in left:
             warnings.warn(f"RunCheckpoints: skipping {path}: an interrupted save or removal left it (the next save removes it)", SkippedCheckpointWarning, stacklevel=3)
         for step, path in candidates:
             manifest, problem = read_manifest(path, step)
-            problems = all_gather_object(problem or self._file_problems(path, manifest), self.group)
+            problems = all_gather_object(problem or self._file_problems(path, manifest), self._comm)
             problem = next((p for p in problems if p), "")
             if not problem:
                 return path, manifest  # type: ignore[return-value]
@@ -439,6 +450,10 @@ class RunCheckpoints:
                 optimizer lacks, or lacks some of theirs ([Note: reading checkpoints]), or has
                 no optimizer state while an optimizer was given.
         """
+        with self._guard.call("RunCheckpoints.resume()", clears=True):
+            return self._resume()
+
+    def _resume(self) -> Optional[Resumed]:
         self._check_numpy("resume")
         found = self.latest()
         if found is None:
@@ -474,7 +489,7 @@ class RunCheckpoints:
         ``loaded``'s model and optimizer parts ([Note: reading checkpoints])."""
         # The ranks agree before DCP's first collective, so a rank whose own check failed (or
         # could not read the metadata) never leaves the others waiting inside the load.
-        problems = all_gather_object(self._key_problem(path, loaded), self.group)
+        problems = all_gather_object(self._key_problem(path, loaded), self._comm)
         problem = next((p for p in problems if p), "")
         if problem:
             raise ValueError(f"RunCheckpoints.resume: {path} {problem}")

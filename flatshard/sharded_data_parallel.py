@@ -16,7 +16,8 @@ from ._base._common import WRAPPED_MODULE, TrainingState, clean_name, display_na
 from ._engine._deepcopy import copy_model
 from ._base._fsdp_markers import mark_fsdp_managed
 from ._engine._generate import generate_gathered
-from ._build._init import build_unit
+from ._build._init import build_unit, construction_guard
+from ._comm._guard import Guard
 from ._checkpoint._module_state_dict import route_state_dict, skips_in_tree_walk
 from ._build._node_groups import NodeGroups
 from ._base._options import ConstructionOptions
@@ -37,8 +38,9 @@ from ._checkpoint._optim_dicts import (
 )
 from ._checkpoint._state_dict import get_settings, load_model_state, make_settings, model_state, set_settings
 from ._checkpoint._state_dict import state_dict_type as settings_applied
+from ._checkpoint._checkpointing import guarded_call
 from ._checkpoint._summon import forward_while_summoned, summon_full_params
-from ._engine._unit import root_of
+from ._engine._unit import bind_units, root_of
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -124,12 +126,16 @@ class ShardedDataParallel(nn.Module):
         super().__init__()
         # Taken before any other local exists: exactly the arguments (see [Note: one list of options]).
         options = ConstructionOptions.from_constructor(locals())
-        node_groups = NodeGroups()  # (hybrid sharding without groups: the default ones, per unit)
-        owned = None
-        if options.auto_wrap_policy is not None:
-            owned = _wrap_planned_units(module, options, node_groups)
-            options = options.for_unit({})  # the root unit's own options: planned, so without the policy
-        self._unit = build_unit(module, node_groups.fill(options), owned)
+        # Construction is a guarded call: [Note: one guarded path] in _comm/_guard.
+        guard = construction_guard(options)
+        with guard.call(f"the construction of ShardedDataParallel({type(module).__name__})"):
+            node_groups = NodeGroups(guard)  # (hybrid sharding without groups: the default ones, per unit)
+            owned = None
+            if options.auto_wrap_policy is not None:
+                owned = _wrap_planned_units(module, options, node_groups, guard)
+                options = options.for_unit({})  # the root unit's own options: planned, so without the policy
+            self._unit = build_unit(module, node_groups.fill(options), owned, guard=guard)
+        bind_units(guard, self._unit.members())  # (units wrapped by hand before: their comms too)
         self._fsdp_wrapped_module = module
         self._state_dict_route = route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
         mark_fsdp_managed(self, options.use_orig_params)  # see [Note: FSDP markers]
@@ -137,11 +143,12 @@ class ShardedDataParallel(nn.Module):
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 
     @classmethod
-    def _planned(cls, module: nn.Module, options: ConstructionOptions, owned: List[OrigParam], name: str) -> "ShardedDataParallel":
-        """An inner unit of an auto-wrap plan (``options`` without the policy)."""
+    def _planned(cls, module: nn.Module, options: ConstructionOptions, owned: List[OrigParam], name: str, guard: Guard) -> "ShardedDataParallel":
+        """An inner unit of an auto-wrap plan (``options`` without the policy), built in the
+        root's constructor call (``guard``)."""
         wrapper = cls.__new__(cls)
         nn.Module.__init__(wrapper)
-        wrapper._unit = build_unit(module, options, owned, name)
+        wrapper._unit = build_unit(module, options, owned, name, guard)
         wrapper._fsdp_wrapped_module = module
         wrapper._state_dict_route = route_state_dict(wrapper, module)
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
@@ -293,8 +300,9 @@ class ShardedDataParallel(nn.Module):
                 f"{unit.where()}: apply(fn) expected to be in states [TrainingState.IDLE] but the unit is "
                 f"in {unit.training_state}: call it outside forward, backward and summon_full_params"
             )
-        with summon_full_params(list(self.modules()), [unit], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
-            return super().apply(fn)  # type: ignore[return-value]
+        with guarded_call(unit, "apply()"):
+            with summon_full_params(list(self.modules()), [unit], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+                return super().apply(fn)  # type: ignore[return-value]
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root: the outermost ``ShardedDataParallel``."""
@@ -372,17 +380,19 @@ class ShardedDataParallel(nn.Module):
         unit = self._unit
         if skips_in_tree_walk(unit, destination):  # see [Note: the wrapped module's state dict]
             return destination  # type: ignore[return-value]
-        return model_state(self, destination, prefix, keep_vars, get_settings(self))
+        with guarded_call(self, "state_dict()"):
+            return model_state(self, destination, prefix, keep_vars, get_settings(self))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a state dict of the selected type into the shards; ``strict`` as in torch
         (missing and unexpected keys are reported by the unwrapped model's names). Collective:
         every rank passes the same keys."""
-        if assign:
-            raise NotImplementedError("load_state_dict(assign=True) is not supported: the values are copied into the shards")
-        if not isinstance(strict, bool):
-            raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
-        return load_model_state(self, state_dict, strict, get_settings(self))
+        with guarded_call(self, "load_state_dict()", clears=True):
+            if assign:
+                raise NotImplementedError("load_state_dict(assign=True) is not supported: the values are copied into the shards")
+            if not isinstance(strict, bool):
+                raise TypeError(f"load_state_dict: strict must be a bool; got {strict!r}")
+            return load_model_state(self, state_dict, strict, get_settings(self))
 
     def _load_from_state_dict(
         self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -455,7 +465,8 @@ class ShardedDataParallel(nn.Module):
         Returns:
             The total norm before clipping, as a tensor.
         """
-        return clip_grad_norm_(self._unit, self, max_norm, norm_type)
+        with guarded_call(self._unit, "clip_grad_norm_()"):
+            return clip_grad_norm_(self._unit, self, max_norm, norm_type)
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
         """Reduce every unit's gradients with ``hook`` instead of the default averaging, as in
@@ -484,6 +495,7 @@ class ShardedDataParallel(nn.Module):
             for handle in member.handles:
                 handle.set_comm_hook(hook, state)
 
+
     # -- optimizer state (see flatshard.optim_state) -----------------------------------------
 
     @staticmethod
@@ -505,15 +517,17 @@ class ShardedDataParallel(nn.Module):
             rank0_only: materialise the dict on rank 0 only.
             group: the model's process group (``None``: the model's own).
         """
-        check_optim_args(model, optim, optim_input, group)
-        return gather_full_optim_state(model, optim, rank0_only)
+        with guarded_call(model, "full_optim_state_dict()"):
+            check_optim_args(model, optim, optim_input, group)
+            return gather_full_optim_state(model, optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
         """The optimizer's state keyed by parameter names with ``DTensor`` parts (as in a
         ``SHARDED_STATE_DICT``), for ``torch.distributed.checkpoint``. Collective."""
-        check_optim_args(model, optim, None, group)
-        return gather_sharded_optim_state(model, optim)
+        with guarded_call(model, "sharded_optim_state_dict()"):
+            check_optim_args(model, optim, None, group)
+            return gather_sharded_optim_state(model, optim)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -530,7 +544,8 @@ class ShardedDataParallel(nn.Module):
                 not ``model.parameters()`` and ``optim`` is not given.
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
-        return shard_full_optim_state(full_optim_state_dict, model, optim_input, optim)
+        with guarded_call(model, "shard_full_optim_state_dict()"):
+            return shard_full_optim_state(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -542,14 +557,16 @@ class ShardedDataParallel(nn.Module):
     ) -> Dict[str, Any]:
         """``shard_full_optim_state_dict`` where only rank 0 has the full dict (the other
         ranks may pass ``None``): rank 0 sends each rank its part. Collective."""
-        check_group(model, group)
-        return scatter_full_optim_state(full_optim_state_dict, model, optim_input, optim)
+        with guarded_call(model, "scatter_full_optim_state_dict()"):
+            check_group(model, group)
+            return scatter_full_optim_state(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
         """The inverse of ``sharded_optim_state_dict``, keyed by parameter ID for
         ``optim.load_state_dict()`` (works at any world size). Collective."""
-        return flatten_sharded_optim_state(sharded_optim_state_dict, model, optim)
+        with guarded_call(model, "flatten_sharded_optim_state_dict()"):
+            return flatten_sharded_optim_state(sharded_optim_state_dict, model, optim)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -589,8 +606,9 @@ class ShardedDataParallel(nn.Module):
             optim_state_dict: ``optim.state_dict()`` to convert instead of ``optim``'s own.
             group: the model's process group (``None``: the model's own).
         """
-        check_optim_args(model, optim, None, group)
-        return optim_state_for(model, optim, get_settings(model), optim_state_dict)
+        with guarded_call(model, "optim_state_dict()"):
+            check_optim_args(model, optim, None, group)
+            return optim_state_for(model, optim, get_settings(model), optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -613,10 +631,11 @@ class ShardedDataParallel(nn.Module):
             load_directly: also load the result into ``optim``.
             group: the model's process group (``None``: the model's own).
         """
-        if is_named_optimizer:
-            raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
-        check_optim_args(model, optim, None, group)
-        return optim_state_to_load(model, optim, optim_state_dict, get_settings(model), load_directly)
+        with guarded_call(model, "optim_state_dict_to_load()"):
+            if is_named_optimizer:
+                raise NotImplementedError("optim_state_dict_to_load(is_named_optimizer=True) is not supported")
+            check_optim_args(model, optim, None, group)
+            return optim_state_to_load(model, optim, optim_state_dict, get_settings(model), load_directly)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "ShardedDataParallel":
         # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);
@@ -670,7 +689,7 @@ def _is_cast(before: torch.Tensor, after: torch.Tensor) -> bool:
     )
 
 
-def _wrap_planned_units(root: nn.Module, options: ConstructionOptions, node_groups: NodeGroups) -> List[OrigParam]:
+def _wrap_planned_units(root: nn.Module, options: ConstructionOptions, node_groups: NodeGroups, guard: Guard) -> List[OrigParam]:
     """Apply the auto-wrap policy in ``options``: check the whole plan, then build every
     inner unit (innermost first) in place and return what the root unit itself flattens. A
     unit the policy makes hybrid without groups gets the plan's default ones (``node_groups``)."""
@@ -678,7 +697,7 @@ def _wrap_planned_units(root: nn.Module, options: ConstructionOptions, node_grou
         return []  # build_unit reports it
     plan = make_plan(root, options)
     for unit in plan[:-1]:
-        wrapper = ShardedDataParallel._planned(unit.module, node_groups.fill(unit_options(options, unit)), unit.params, unit.name)
+        wrapper = ShardedDataParallel._planned(unit.module, node_groups.fill(unit_options(options, unit)), unit.params, unit.name, guard)
         for parent, attr in unit.slots:
             setattr(parent, attr, wrapper)
     return plan[-1].params

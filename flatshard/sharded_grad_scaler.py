@@ -42,7 +42,8 @@ from typing import Any, Dict, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ._comm._collectives import Communicator, ProcessGroup, default_group
+from ._comm._collectives import Communicator, ProcessGroup, default_group, object_device
+from ._comm._guard import Guard, make_guard
 
 __all__ = ["ShardedGradScaler"]
 
@@ -88,6 +89,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
         self.process_group = process_group
+        # Made at the first unscale (``_guard``).
+        self._comm: Optional[Communicator] = None
+        self._guarded: Optional[Guard] = None
 
     def scale(self, outputs: _Outputs) -> _Outputs:  # type: ignore[override]
         """Multiply ``outputs`` (a tensor or an iterable of tensors) by the scale. Each result
@@ -116,8 +120,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
         verdict = torch.zeros_like(found_inf)
         for flag in per_device.values():
             verdict = torch.maximum(verdict, flag.to(verdict.device))
-        Communicator(self._group()).all_reduce(verdict, "max")
+        with self._guard().call("ShardedGradScaler.unscale_()"):
+            self._comm.all_reduce(verdict, "max")  # type: ignore[union-attr]
         return {verdict.device: verdict}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state["_comm"] = state["_guarded"] = None  # (a copy makes its own at its first unscale)
+        return state
+
+    def _guard(self) -> Guard:
+        """The guard of this scaler's calls ([Note: one guarded path] in ``_comm/_guard``), made
+        at its first: the group may be the default one, made after the scaler."""
+        if self._guarded is None:
+            self._comm = Communicator(self._group())
+            self._guarded = make_guard([self._comm], object_device(self._comm.group))
+        return self._guarded
 
     def _group(self) -> ProcessGroup:
         if self.process_group is not None:

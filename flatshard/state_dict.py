@@ -38,12 +38,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ._base._common import clean_name
-from ._checkpoint._checkpointing import model_root, named_units
+from ._checkpoint._checkpointing import guarded_call, model_root, named_units
 from ._checkpoint._optim_dicts import optim_state_for, optim_state_to_load
 from ._checkpoint._optim_state import OptimStateIndex, template_state
 from ._checkpoint._plain_view import wrapped_by
 from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
-from ._comm._collectives import Communicator, all_gather_object, broadcast_object, default_group
+from ._comm._collectives import all_gather_object, broadcast_object, default_group
 from ._engine._unit import unit_of
 from .api import (
     FullOptimStateDictConfig,
@@ -89,6 +89,11 @@ def get_model_state_dict(
     """
     if not _has_units(model):
         return _torch_sd.get_model_state_dict(model, submodules=submodules, options=options)
+    with guarded_call(model, "get_model_state_dict()"):
+        return _model_state(model, submodules, options)
+
+
+def _model_state(model: nn.Module, submodules: Optional[Set[nn.Module]], options: Optional[StateDictOptions]) -> Dict[str, Any]:
     opts = _checked_options(options, "get_model_state_dict")
     _warn_submodules(submodules)
     settings, target = _settings(opts), _without_outer_wrappers(model)
@@ -123,6 +128,13 @@ def get_optimizer_state_dict(
     optims = _optimizer_tuple(optimizers, "get_optimizer_state_dict")
     if not _has_units(model):
         return _torch_sd.get_optimizer_state_dict(model, optims, submodules=submodules, options=options)
+    with guarded_call(model, "get_optimizer_state_dict()"):
+        return _optimizer_state(model, optims, submodules, options)
+
+
+def _optimizer_state(
+    model: nn.Module, optims: Tuple[torch.optim.Optimizer, ...], submodules: Optional[Set[nn.Module]], options: Optional[StateDictOptions]
+) -> Dict[str, Any]:
     opts = _checked_options(options, "get_optimizer_state_dict")
     _warn_submodules(submodules)
     combined: Dict[str, Any] = {_STATE: {}, _GROUPS: []}
@@ -153,8 +165,9 @@ def get_state_dict(
     optims = _optimizer_tuple(optimizers, "get_state_dict")
     if not _has_units(model):
         return _torch_sd.get_state_dict(model, optims, submodules=submodules, options=options)
-    model_state = get_model_state_dict(model, submodules=submodules, options=options)
-    return model_state, get_optimizer_state_dict(model, optims, options=options)
+    with guarded_call(model, "get_state_dict()"):
+        model_state = get_model_state_dict(model, submodules=submodules, options=options)
+        return model_state, get_optimizer_state_dict(model, optims, options=options)
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, options: Optional[StateDictOptions] = None) -> _IncompatibleKeys:
@@ -173,12 +186,13 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Dict[str, Any], *, 
     """
     if not _has_units(model):
         return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
-    opts = _checked_options(options, "set_model_state_dict")
-    if not isinstance(model_state_dict, Mapping):
-        raise TypeError(f"set_model_state_dict: model_state_dict must be a dict keyed by FQNs; got {type(model_state_dict).__name__}")
-    if any(isinstance(key, nn.Module) for key in model_state_dict):
-        raise NotImplementedError("set_model_state_dict: a model_state_dict keyed by submodules (deprecated in torch) is not supported; key it by FQNs")
-    return _load_model(model, model_state_dict, opts)
+    with guarded_call(model, "set_model_state_dict()", clears=True):
+        opts = _checked_options(options, "set_model_state_dict")
+        if not isinstance(model_state_dict, Mapping):
+            raise TypeError(f"set_model_state_dict: model_state_dict must be a dict keyed by FQNs; got {type(model_state_dict).__name__}")
+        if any(isinstance(key, nn.Module) for key in model_state_dict):
+            raise NotImplementedError("set_model_state_dict: a model_state_dict keyed by submodules (deprecated in torch) is not supported; key it by FQNs")
+        return _load_model(model, model_state_dict, opts)
 
 
 def set_optimizer_state_dict(
@@ -200,8 +214,9 @@ def set_optimizer_state_dict(
     optims = _optimizer_tuple(optimizers, "set_optimizer_state_dict")
     if not _has_units(model):
         return _torch_sd.set_optimizer_state_dict(model, optims, optim_state_dict, options=options)
-    opts = _checked_options(options, "set_optimizer_state_dict")
-    _load_optims(model, optims, optim_state_dict, opts)
+    with guarded_call(model, "set_optimizer_state_dict()"):
+        opts = _checked_options(options, "set_optimizer_state_dict")
+        _load_optims(model, optims, optim_state_dict, opts)
     return None
 
 
@@ -229,13 +244,14 @@ def set_state_dict(
     optims = _optimizer_tuple(optimizers, "set_state_dict")
     if not _has_units(model):
         return _torch_sd.set_state_dict(model, optims, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options)
-    opts = _checked_options(options, "set_state_dict")
-    if not isinstance(model_state_dict, Mapping):
-        raise TypeError(f"set_state_dict: model_state_dict must be a dict keyed by FQNs; got {type(model_state_dict).__name__}")
-    _load_optims(model, optims, optim_state_dict, opts)
-    if not model_state_dict and not opts.broadcast_from_rank0:
-        return _IncompatibleKeys([], [])
-    return _load_model(model, model_state_dict, opts)
+    with guarded_call(model, "set_state_dict()", clears=True):
+        opts = _checked_options(options, "set_state_dict")
+        if not isinstance(model_state_dict, Mapping):
+            raise TypeError(f"set_state_dict: model_state_dict must be a dict keyed by FQNs; got {type(model_state_dict).__name__}")
+        _load_optims(model, optims, optim_state_dict, opts)
+        if not model_state_dict and not opts.broadcast_from_rank0:
+            return _IncompatibleKeys([], [])
+        return _load_model(model, model_state_dict, opts)
 
 
 # -- checks and options ---------------------------------------------------------------------
@@ -361,10 +377,9 @@ def _received_from_first(model: nn.Module, state_dict: Mapping[str, Any]) -> Dic
     its ``DTensor`` part of a sharded parameter (peak: one full tensor beyond the parts)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    group = default_group()
-    comm = Communicator(group)
+    comm = model_root(model).comm.sibling(default_group())
     skeleton = _skeleton(state_dict) if comm.rank == 0 else None
-    skeleton = broadcast_object(skeleton, group)
+    skeleton = broadcast_object(skeleton, comm)
     if skeleton[0] == "error":
         raise ValueError(f"[rank {comm.rank}] set_model_state_dict(broadcast_from_rank0=True): {skeleton[1]}")
     template = model_state(model, None, "", False, _settings(StateDictOptions()))
@@ -441,11 +456,10 @@ def _raise_together(model: nn.Module, error: Optional[Tuple[str, str]], only_fir
     input, else the first failing rank's. One small collective, so no rank waits for a rank
     that failed."""
     root = model_root(model)
-    group = root.group
     if only_first:
-        errors = [broadcast_object(error, group)]
+        errors = [broadcast_object(error, root.comm)]
     else:
-        errors = all_gather_object(error, group) if root.world_size > 1 else [error]
+        errors = all_gather_object(error, root.comm) if root.world_size > 1 else [error]
     for rank, reported in enumerate(errors):
         if reported is not None:
             kind, text = reported

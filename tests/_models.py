@@ -19,6 +19,9 @@ from torch import nn
 
 from flatshard import ShardedDataParallel, ShardingStrategy
 from flatshard._base._common import HandleState, clean_name, join_name
+from flatshard._checkpoint._checkpointing import guarded_call
+from flatshard._comm._collectives import Communicator
+from flatshard._comm._guard import make_guard
 
 VOCAB = 13
 DIM = 8
@@ -287,8 +290,29 @@ def train_wrapped(
     return losses, full_params(model)
 
 
+@contextlib.contextmanager
+def inside_call(model: Any, what: str = "a test's own collectives") -> Any:
+    """A test that drives handles or communicators directly makes their collectives inside a
+    guarded call of the model's roots ([Note: one guarded path] in flatshard/_comm/_guard.py)."""
+    with guarded_call(model, what):
+        yield
+
+
+def guarded_comm(group: Optional[Any] = None) -> Communicator:
+    """A communicator of ``group`` (default: the default group) for a test of the
+    communication layer: its collectives run in one guarded call, left open."""
+    comm = Communicator(group if group is not None else dist.group.WORLD)
+    make_guard([comm], torch.device("cpu")).open("a test's own collectives", eager=True)
+    return comm
+
+
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every original parameter (tied ones under each name) gathered from the shards."""
+    with inside_call(model, "full_params() (a test's gather)"):
+        return _full_params(model)
+
+
+def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, ShardedDataParallel):

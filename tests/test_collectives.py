@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 from expecttest import TestCase
 
-from flatshard._comm._collectives import Communicator, all_gather_object
+from flatshard._comm._collectives import all_gather_object
+from tests._models import guarded_comm
 
 
 def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
-    comm = Communicator(dist.group.WORLD)
+    comm = guarded_comm()
     functions: List[str] = []
     comm.observe(lambda event: functions.append(event.op))
     shard = torch.arange(5.0) + 10 * rank
@@ -33,7 +33,7 @@ def _exchange(rank: int, world_size: int) -> Dict[str, Any]:
         means.append(out.tolist())
     summed = torch.empty(4)
     comm.reduce_scatter_sum(summed, full)
-    objects = all_gather_object({"rank": rank, "text": "x" * (rank + 3)}, dist.group.WORLD)
+    objects = all_gather_object({"rank": rank, "text": "x" * (rank + 3)}, comm)
     return {
         "gathered": gathered.tolist(), "in_flight": in_flight.tolist(), "means": means,
         "sum": summed.tolist(), "objects": objects, "functions": functions,
@@ -45,11 +45,11 @@ def _yields(rank: int, world_size: int) -> List[int]:
     of a reduce-scatter in flight (not the second), never for a drained one."""
     import flatshard._comm._collectives as collectives
 
+    comm = guarded_comm()  # (its call's entry check made: only the collectives below count)
     calls: List[int] = []
     real = collectives._sched_yield
     collectives._sched_yield = lambda: calls.append(1)
     try:
-        comm = Communicator(dist.group.WORLD)
         counts = []
         comm.all_gather(torch.empty(2 * world_size), torch.ones(2))
         counts.append(len(calls))

@@ -8,7 +8,7 @@ from torch import nn
 
 from flatshard import FlatParameter, ShardedDataParallel, ShardingStrategy
 from flatshard._base._common import HandleState
-from tests._models import build, handles, wrap
+from tests._models import build, handles, inside_call, wrap
 
 
 class Tied(nn.Module):
@@ -40,6 +40,8 @@ def _layout(rank, world_size):
         "freed": handle.full_storage_bytes(),
         "placeholder": (module.lin.weight.device.type, tuple(module.lin.weight.shape)),
     }
+    call = inside_call(model)
+    call.__enter__()  # (the handle is driven directly: its collectives run in a guarded call)
     handle.unshard()
     views = dict(handle.named_full_views())
     result["gathered_equal"] = sorted(views) == sorted(originals) and all(
@@ -51,6 +53,7 @@ def _layout(rank, world_size):
     result["views_alias_full"] = all(base <= t.data_ptr() < end for t in (module.lin.weight, module.vec))
     result["tied_is_same_view"] = module.other.alias is module.vec
     handle.reshard()
+    call.__exit__(None, None, None)
     result["after_reshard"] = (handle.state.name, handle.full_storage_bytes(), module.vec.device.type)
     return result
 

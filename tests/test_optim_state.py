@@ -19,7 +19,7 @@ from expecttest import TestCase
 from flatshard._comm._collectives import broadcast_object
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
 from tests._memory import track_allocations
-from tests._models import Block, batch, build, lm_loss, step_on_global_batch
+from tests._models import Block, batch, build, guarded_comm, lm_loss, step_on_global_batch
 
 GLOBAL_ROWS = 12
 OPTIMIZERS = {
@@ -133,7 +133,7 @@ def _resume(rank, world_size, directory, saved_at, orig=False):
 
 def _broadcast_model(checkpoint, model):
     """The full model state dict on every rank (torch.save'd by rank 0)."""
-    return broadcast_object(checkpoint["model"] if checkpoint is not None else None, dist.group.WORLD)
+    return broadcast_object(checkpoint["model"] if checkpoint is not None else None, guarded_comm())
 
 
 def _plain_interchange(rank, world_size):

@@ -176,14 +176,16 @@ class OrderCheckTest(TestCase):
             self.assertEqual(message, f"[rank {rank}] the ranks' TORCH_DISTRIBUTED_DEBUG levels differ (rank 0: not DETAIL; rank 1: not DETAIL; rank 2: DETAIL): under DETAIL every collective is checked, which only works when every rank checks; set it alike on every rank")
 
     def test_each_iteration_checks_with_a_constant_number_of_small_collectives(self):
-        # [Note: order check]: the forward's check and the backward's, from the first iteration
-        # on, at any world size; under DETAIL one per collective of each unit in every iteration
+        # [Note: order check]: the forward's entry and end checks and the backward's, at any
+        # world size (the first forward also checks once that the ranks built the same units);
+        # under DETAIL one per collective of each unit in every iteration
         for world_size in (2, 3):
             for counts in self.pool.run(_check_collectives, world_size, False):
-                self.assertEqual(counts, [2, 2, 2])
+                self.assertEqual(counts, [4, 3, 3])
         for counts in self.pool.run(_check_collectives, 3, True):
-            self.assertEqual(len(set(counts)), 1)
-            self.assertGreater(counts[0], 2 * 4)  # two gathers and a reduction of each of 4 units
+            self.assertEqual(counts[0], counts[1] + 1)
+            self.assertEqual(counts[1], counts[2])
+            self.assertGreater(counts[1], 2 * 4)  # two gathers and a reduction of each of 4 units
 
     def test_different_order_in_a_later_iteration(self):
         # on gloo, the check at the end of every forward

@@ -276,10 +276,11 @@ def test_a_collective_failing_after_a_peer_left_names_that_peer() -> None:
     from flatshard._comm._peer_failures import StepWatch
 
     store = dist.HashStore()
-    watches = [StepWatch(store, "root0", rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]
+    watches = [StepWatch(store, "root0", 1, rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]
     for watch in watches:
         watch.begin_step()
-    watches[2].leave("the forward of unit 'blocks.1'", ValueError("tripwire"))
+        watch.next_call()
+    watches[2].leave("the forward of unit 'blocks.1' of step 1", ValueError("tripwire"))
     try:  # (rank 1 is stuck because of it, as in the flake)
         watches[1].look(time.monotonic(), "all_gather (unit 'blocks.2')")
     except PeerFailedError:

@@ -4,7 +4,7 @@ No process group: units are plain strings here."""
 
 from expecttest import TestCase
 
-from flatshard._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, ExecOrder, describe, mismatch, token
+from flatshard._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, ExecOrder, describe, token
 
 NAMES = ["<root>", "layers.0", "layers.1"]
 
@@ -137,16 +137,14 @@ at the end of its forward""",
         # a forward's hash can look like a unit token of an index no unit has
         self.assertEqual(describe(token(GATHER, len(NAMES)), NAMES), "at the end of its forward")
 
-    def test_no_mismatch_when_all_ranks_agree(self):
-        self.assertIsNone(mismatch([token(GATHER, 1)] * 4, NAMES))
-        self.assertIsNone(mismatch([2**41 + 7], NAMES))
+    def test_ranks_at_different_per_collective_checks_are_named_by_where_they_are(self):
+        # (under DETAIL each collective's check is a position of the guard: the report names
+        # each rank's, another check's included)
+        from flatshard._engine._agreement import _units_differ
 
-    def test_mismatch_names_what_every_rank_is_doing(self):
+        positions = [(describe(t, NAMES), None, [], None, True) for t in (token(REDUCE, 0), token(END_OF_BACKWARD), token(GATHER, 2))]
+        positions.append(("at the start of its forward", 7, [], None, True))
         self.assertExpectedInline(
-            mismatch([token(GATHER, 1), token(GATHER, 2)], NAMES),
-            """rank 0 is gathering the parameters of unit layers.0; rank 1 is gathering the parameters of unit layers.1""",
-        )
-        self.assertExpectedInline(
-            mismatch([token(REDUCE, 0), token(END_OF_BACKWARD), 2**40 + 1, token(REDUCE, 0)], NAMES),
-            """rank 0 is reducing the gradients of unit <root>; rank 1 is at the end of its backward; rank 2 is at the end of its forward; rank 3 is reducing the gradients of unit <root>""",
+            _units_differ(positions),
+            """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is reducing the gradients of unit <root>; rank 1 is at the end of its backward; rank 2 is gathering the parameters of unit layers.1; rank 3 is at the start of its forward""",
         )

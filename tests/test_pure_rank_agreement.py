@@ -48,17 +48,20 @@ class CheckReportsTest(TestCase):
     exchanged what they compared ([Note: order check] in ``flatshard/_flat/_exec_order.py``)."""
 
     def test_ranks_at_different_checks_are_named_by_where_they_are(self):
+        from flatshard._comm._guard import _diverged
         from flatshard._engine._agreement import _backward_difference, _forward_difference
 
-        everyone = [("at the end of its forward", ["<root>", "a"], 3), ("at the start of its backward", ["<root>"])]
-        expected = "the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is at the end of its forward; rank 1 is at the start of its backward"
-        self.assertEqual(_forward_difference(everyone), expected)
-        self.assertEqual(_backward_difference(everyone), expected)
+        everyone = [("at the end of its forward", None, ["<root>", "a", "optimizer steps: 3"], None, False), ("at the start of its backward", 7, ["<root>"], None, False)]
+        for explain in (_forward_difference, _backward_difference):
+            self.assertExpectedInline(
+                str(_diverged(1, everyone, explain)),
+                """[rank 1] the ranks are at different places: rank 0 is at the end of its forward; rank 1 is at the start of its backward (call #7). Every rank must make the same flatshard calls in the same order (a rank that skipped a backward, a call or a step the others made, or made one they did not, has diverged)""",
+            )
 
     def test_the_first_unit_that_differs_or_the_optimizer_steps(self):
         from flatshard._engine._agreement import _forward_difference
 
-        ran = [("at the end of its forward", ["<root>", "a", "b"], 2), ("at the end of its forward", ["<root>", "b"], 2)]
+        ran = [("at the end of its forward", None, ["<root>", "a", "b", "optimizer steps: 2"], None, False), ("at the end of its forward", None, ["<root>", "b", "optimizer steps: 2"], None, False)]
         self.assertExpectedInline(_forward_difference(ran), """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #1 of this forward differs: rank 0 ran a; rank 1 ran b""")
-        steps = [("at the end of its forward", ["<root>"], 2), ("at the end of its forward", ["<root>"], 3)]
+        steps = [("at the end of its forward", None, ["<root>", "optimizer steps: 2"], None, False), ("at the end of its forward", None, ["<root>", "optimizer steps: 3"], None, False)]
         self.assertExpectedInline(_forward_difference(steps), """the ranks called optimizer.step() on this model a different number of times before this forward (rank 0: 2; rank 1: 3): a rank that steps alone, or skips a step the others take, trains a different model from then on (every rank must step together)""")

@@ -25,14 +25,15 @@ from torch import nn
 from flatshard import ShardedDataParallel
 from flatshard._comm._collectives import Communicator
 from flatshard._comm._shared_memory import ENV_SWITCH, ChannelState, SharedMemoryChannel, _usable, available_here
+from tests._models import guarded_comm
 from tests._pool import COLLECTIVE_TIMEOUT_S
 
 _TIMEOUT = timedelta(seconds=60)
 
 
 def _channel_comm(hint: int = 0) -> Communicator:
-    comm = Communicator(dist.group.WORLD)
-    comm.use_channel(SharedMemoryChannel(dist.group.WORLD, hint, _TIMEOUT))
+    comm = guarded_comm()
+    comm.use_channel(SharedMemoryChannel(comm.sibling(comm.group), hint, _TIMEOUT))
     return comm
 
 

@@ -13,7 +13,6 @@ import tempfile
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as torch_sd
 import torch.distributed.fsdp as torch_fsdp
@@ -23,7 +22,6 @@ from torch.distributed.tensor import DTensor
 import flatshard
 from flatshard import ModuleWrapPolicy, ShardedDataParallel
 from flatshard._checkpoint._checkpointing import full_value
-from flatshard._comm._collectives import Communicator
 from flatshard.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,7 +31,7 @@ from flatshard.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from tests._models import Block, batch, build, error_text, lm_loss
+from tests._models import Block, batch, build, error_text, guarded_comm, lm_loss
 
 GLOBAL_ROWS = 12
 K = 2
@@ -89,7 +87,7 @@ def _trained(rank, world_size, seed=0, orig=False):
 def _full(value):
     """A DTensor's full value. (Not ``full_tensor()``: in the pool's long-lived processes, after
     earlier tests' process groups, torch's functional collectives can look up a stale group name.)"""
-    return full_value(value, Communicator(dist.group.WORLD)) if isinstance(value, DTensor) else value
+    return full_value(value, guarded_comm()) if isinstance(value, DTensor) else value
 
 
 def _assert_same(actual, expected, where):

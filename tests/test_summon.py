@@ -447,20 +447,19 @@ class TrainingAfterTest(TestCase):
 
 
 def _errors(rank, world_size):
-    """The errors are raised on rank 1 only (but the one during forward), before any
-    collective: the ranks then still agree."""
+    """Every rank makes the same mistakes, each raised before any collective of its call: the
+    ranks raise together and still agree afterwards (a mistake on one rank only is
+    tests/test_guarded_calls.py's)."""
     model, reference = _model(), build()
     messages = {}
-    if rank == 1:
-        messages["rank0_only_writeback"] = _message(lambda: _enter(model, rank0_only=True), ValueError)
-        _enter(nn.Linear(2, 2))  # (no units under it: a no-op, as in FSDP1)
-        for flag, value in (("recurse", 1), ("writeback", None), ("rank0_only", "yes"), ("offload_to_cpu", 0), ("with_grads", 1.0)):
-            messages[flag] = _message(lambda: _enter(model, **{flag: value}), TypeError)
-        _assert_idle(model, "after the errors")
+    messages["rank0_only_writeback"] = _message(lambda: _enter(model, rank0_only=True), ValueError)
+    _enter(nn.Linear(2, 2))  # (no units under it: a no-op, as in FSDP1)
+    for flag, value in (("recurse", 1), ("writeback", None), ("rank0_only", "yes"), ("offload_to_cpu", 0), ("with_grads", 1.0)):
+        messages[flag] = _message(lambda: _enter(model, **{flag: value}), TypeError)
+    _assert_idle(model, "after the errors")
     with summon(model):
-        if rank == 1:
-            messages["nested"] = _message(lambda: _enter(model, writeback=False), RuntimeError)
-            messages["nested_inner"] = _message(lambda: _enter(model.blocks[1]), RuntimeError)
+        messages["nested"] = _message(lambda: _enter(model, writeback=False), RuntimeError)
+        messages["nested_inner"] = _message(lambda: _enter(model.blocks[1]), RuntimeError)
     hook = model.blocks[1].module.fc2.register_forward_pre_hook(lambda *_: _enter(model))
     with torch.no_grad():
         during_forward = _message(lambda: model(local(batch(0, world_size)[0], rank)), RuntimeError)

@@ -43,7 +43,6 @@ from flatshard import (
     StateDictType,
 )
 from flatshard._checkpoint._checkpointing import full_value
-from flatshard._comm._collectives import Communicator
 from flatshard._base._common import clean_name
 from flatshard.state_dict import (
     StateDictOptions,
@@ -54,7 +53,7 @@ from flatshard.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from tests._models import Block, batch, build, lm_loss, local
+from tests._models import Block, batch, build, guarded_comm, lm_loss, local
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 FULL = StateDictOptions(full_state_dict=True)
@@ -277,7 +276,7 @@ def _expected_keys(world_size: int, local_keys: List[str]) -> Dict[str, Any]:
 
 def _full(value: Any) -> Any:
     """A DTensor's full value (not ``full_tensor()``: see ``test_state_dict_api._full``)."""
-    return full_value(value, Communicator(dist.group.WORLD)) if isinstance(value, DTensor) else value
+    return full_value(value, guarded_comm()) if isinstance(value, DTensor) else value
 
 
 def _differences(actual: Dict[str, Any], expected: Dict[str, Any], where: str, exact: bool = True) -> List[str]:

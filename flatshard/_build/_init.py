@@ -15,16 +15,19 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from .._comm._collectives import (
     Communicator,
     ProcessGroup,
     backend_of,
     default_group,
     first_difference,
-    rank_of,
+    object_device,
     size_of,
     require_initialized,
 )
+from .._comm._guard import Guard, make_guard
 from .._base._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
 from .._base._errors import ArgumentTypeError
 from ._materialize import has_meta, materialize, retie
@@ -36,17 +39,43 @@ from .._flat._flat_param import FlatParameter, FlatParamHandle, OrigParam, Preci
 _Buffers = List[Tuple[str, nn.Module, str, torch.Tensor]]  # (name, module, attribute, buffer)
 
 
+def construction_guard(options: ConstructionOptions) -> Guard:
+    """The guard of one constructor call ([Note: one guarded path] in ``_comm/_guard``): over the
+    groups the options name (both of a hybrid pair, a mesh's), else the default group. The root
+    it builds keeps it. Options that name no usable group get the default group's (or none,
+    without a default group), so that their error is raised inside the call, on every rank."""
+    try:
+        groups = _groups_named(options)
+    except Exception:  # noqa: BLE001 - reported by build_unit, inside the call
+        groups = []
+    if not groups and dist.is_available() and dist.is_initialized():
+        groups = [default_group()]
+    comms = [Communicator(g) for g in groups]
+    return make_guard(comms, object_device(groups[0]) if groups else torch.device("cpu"))
+
+
+def _groups_named(options: ConstructionOptions) -> List[ProcessGroup]:
+    mesh, group = options.device_mesh, options.process_group
+    if mesh is not None:
+        return [mesh.get_group(d) for d in range(mesh.ndim)][::-1]
+    if isinstance(group, (tuple, list)):
+        return [g for g in group if isinstance(g, dist.ProcessGroup)]
+    return [group] if isinstance(group, dist.ProcessGroup) else []
+
+
 def build_unit(
     module: nn.Module,
     options: ConstructionOptions,
     owned: Optional[List[OrigParam]] = None,
     name: str = "",
+    guard: Optional[Guard] = None,
 ) -> Unit:
     """Check ``options`` (the wrapper's constructor arguments) and flatten ``module``'s
     parameters into a new unit. ``owned``: the
     registrations this unit flattens, if a plan decided them (tied parameters placed in the
     lowest unit containing all their users); by default every parameter in ``module``'s tree
-    outside nested units and ignored states. ``name``: the unit's path in a plan, for errors."""
+    outside nested units and ignored states. ``name``: the unit's path in a plan, for errors.
+    ``guard``: the constructor's call's (see ``construction_guard``)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module; got {type(module).__name__}")
     if unit_of(module) is not None:
@@ -82,8 +111,8 @@ def build_unit(
         params = retie(params, name)
     _move_buffers(device, buffers)
     if options.sync_module_states:
-        _check_same_on_all_ranks(params, buffers, group, device, name)
-        comms = ([Communicator(replicate_group)] if replicate_group is not None else []) + [Communicator(group)]
+        _check_same_on_all_ranks(params, buffers, Communicator(group, guard), device, name)
+        comms = ([Communicator(replicate_group, guard)] if replicate_group is not None else []) + [Communicator(group, guard)]
         for _, _, _, buf in buffers:
             for comm in comms:  # (hybrid: across the replicas, then within the shard group)
                 comm.broadcast_from_first(buf)
@@ -95,7 +124,7 @@ def build_unit(
     handles = [
         FlatParamHandle(
             members, module, device, group, sharded, _attr_name(i), options.sync_module_states, replicate_group,
-            config.offload_params, precision, config.use_orig_params,
+            config.offload_params, precision, config.use_orig_params, guard,
         )
         for i, members in enumerate(group_params(params))
     ]
@@ -103,7 +132,7 @@ def build_unit(
     mesh = options.device_mesh
     unit = Unit(
         handles, config, group, device, replicate_group, _cast_buffers(config, buffers),
-        mesh if mesh is not None and mesh.ndim == 1 else None,
+        mesh if mesh is not None and mesh.ndim == 1 else None, guard,
     )
     unit.adopt(nested)
     return unit
@@ -176,15 +205,15 @@ def group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
 
 
 def _check_same_on_all_ranks(
-    params: List[OrigParam], buffers: _Buffers, group: ProcessGroup, device: torch.device, prefix: str
+    params: List[OrigParam], buffers: _Buffers, comm: Communicator, device: torch.device, prefix: str
 ) -> None:
     """Before broadcasting (``sync_module_states``): mismatched broadcasts would hang."""
     layout = [f"{join_name(prefix, p.name)} {tuple(p.param.shape)} {p.param.dtype}" for p in params]
     layout += [f"{join_name(prefix, name)} {tuple(b.shape)} {b.dtype}" for name, _, _, b in buffers]
-    difference = first_difference(layout, Communicator(group), device)
+    difference = first_difference(layout, comm, device)
     if difference is not None:
         raise ValueError(
-            f"[rank {rank_of(group)}] sync_module_states: the ranks built different modules to wrap, so rank 0's "
+            f"[rank {comm.rank}] sync_module_states: the ranks built different modules to wrap, so rank 0's "
             f"parameters and buffers cannot be broadcast: rank 0 has {difference.reference}, rank {difference.rank} "
             f"has {difference.theirs}"
         )

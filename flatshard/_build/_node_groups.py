@@ -52,10 +52,11 @@ __all__ = ["NodeGroups", "node_groups", "ranks_per_node"]
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
-def node_groups(strategy: ShardingStrategy, device: torch.device) -> Tuple[ProcessGroup, ProcessGroup]:
+def node_groups(strategy: ShardingStrategy, device: torch.device, guard: Optional[Any] = None) -> Tuple[ProcessGroup, ProcessGroup]:
     """(this rank's node's group, the group of the ranks at its place on every node), over the
     default group (see [Note: groups per node]). Collective: every rank calls it. ``device``:
-    where the ranks' comparison runs under a backend without CPU tensors (NCCL)."""
+    where the ranks' comparison runs under a backend without CPU tensors (NCCL); ``guard``: the
+    constructor's (its collectives are part of the constructor's call)."""
     require_initialized()
     world, rank = size_of(default_group()), global_rank()
     per_node: Optional[int] = None
@@ -64,7 +65,7 @@ def node_groups(strategy: ShardingStrategy, device: torch.device) -> Tuple[Proce
         per_node = ranks_per_node(strategy, world, rank)
     except ValueError as exc:
         error = exc
-    comm = Communicator(default_group())
+    comm = Communicator(default_group(), guard)
     where = torch.device("cpu") if takes_cpu_tensors(default_group()) else device
     raise_on_every_rank(
         [comm], error,
@@ -156,8 +157,9 @@ class NodeGroups:
     """The default hybrid groups of one constructor call, found or made when a unit first needs
     them (see [Note: groups per node])."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: Optional[Any] = None) -> None:
         self.groups: Optional[Tuple[ProcessGroup, ProcessGroup]] = None
+        self.guard = guard  # the constructor's ([Note: one guarded path] in ``_comm/_guard``)
 
     def fill(self, options: ConstructionOptions) -> ConstructionOptions:
         """``options`` with the default groups where hybrid sharding has none."""
@@ -165,7 +167,7 @@ class NodeGroups:
         if strategy not in _HYBRID or options.process_group is not None or options.device_mesh is not None:
             return options
         if self.groups is None:
-            self.groups = node_groups(strategy, _device(options.device_id))
+            self.groups = node_groups(strategy, _device(options.device_id), self.guard)
         return dataclasses.replace(options, process_group=self.groups)
 
 

@@ -17,7 +17,8 @@ whether torch's own checks failed; a disagreement becomes an error on every rank
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from .._base._common import TrainingState, clean_name
 from .._base._errors import WrongStateError
 from ._local_shards import assemble, described_shape, is_sharded_tensor
 from .._engine._runtime import reduce_held, settle
-from .._engine._unit import Unit, unit_of
+from .._engine._unit import Unit, root_guard, root_of, unit_of
 
 _SUMMON = TrainingState.SUMMON_FULL_PARAMS
 _IDLE = TrainingState.IDLE
@@ -51,6 +52,31 @@ def model_root(module: nn.Module) -> Unit:
         raise ValueError(f"{type(module).__name__} contains no ShardedDataParallel module")
     roots = [unit for unit in units if unit.parent is None]
     return (roots or units)[0]
+
+
+# -- guarded calls --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def guarded_call(model: Any, name: str, clears: bool = False) -> Iterator[None]:
+    """Run the ``with`` block as the call ``name`` of the guard of every root in ``model`` (a
+    module's tree, a unit, or a list of units), in order: [Note: one guarded path] in
+    ``_comm/_guard``. A backward that raised is settled first, so its record precedes the call.
+    ``clears``: the call restores the model's state (a load), so a failed optimizer step it
+    carries does not stop it and is forgotten once it succeeds ([Note: a failed optimizer
+    step] in ``_engine/_runtime``)."""
+    if isinstance(model, Unit):
+        units = [model]
+    elif isinstance(model, nn.Module):
+        units = [unit for _, unit in named_units(model)]
+    else:
+        units = list(model)
+    roots = list({id(root_of(u)): root_of(u) for u in units}.values())
+    with contextlib.ExitStack() as stack:
+        for root in roots:
+            settle(root.ctx)
+            stack.enter_context(root_guard(root).call(name, clears=clears))
+        yield
 
 
 # -- guards -------------------------------------------------------------------------------
@@ -99,10 +125,7 @@ def raise_together(units: Sequence[Unit], error: Optional[Exception], others: st
 def communicators(root: Unit) -> List[Communicator]:
     """The root unit's group, then (hybrid sharding) the group of the ranks holding the same
     shards (see [Note: raising together] in ``_collectives``)."""
-    comms = [root.comm]
-    if root.replicate_group is not None:
-        comms.append(Communicator(root.replicate_group))
-    return comms
+    return [root.comm] + ([root.replicate] if root.replicate is not None else [])
 
 
 def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
@@ -141,7 +164,7 @@ def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[Bas
     if unit.world_size > 1:
         digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
         if not unit.comm.agree(digest, unit.device):
-            reports = all_gather_object((None if error is None else str(error), entries), unit.group)
+            reports = all_gather_object((None if error is None else str(error), entries), unit.comm)
             _raise_disagreement(unit.rank, reports, error, what)
     if error is not None:
         raise error
@@ -207,7 +230,7 @@ def full_value(value: Any, comm: Communicator) -> Any:
     all-gather on ``comm``; any other ``DTensor`` by ``full_tensor()``; a ``ShardedTensor``
     (FSDP1's and ``load_sharded_optimizer_state_dict``'s) with one all-gather over its group."""
     if is_sharded_tensor(value):
-        theirs = Communicator(value._process_group) if getattr(value, "_process_group", None) is not None else comm
+        theirs = comm.sibling(value._process_group) if getattr(value, "_process_group", None) is not None else comm
         return assemble(value, lambda out, mine: theirs.all_gather(out, mine), theirs.world_size)
     if not is_dtensor(value):
         return value

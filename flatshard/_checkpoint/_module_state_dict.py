@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from torch import nn
 
 from .._base._common import WRAPPED_MODULE
+from ._checkpointing import guarded_call
 from ._state_dict import get_settings, load_model_state, model_state
 from .._engine._unit import IN_PLAIN_VIEW, ROUTED, Unit, unit_of
 
@@ -110,7 +111,8 @@ class _Route:
             part._metadata = OrderedDict(  # type: ignore[attr-defined]
                 ("" if k == own else k[len(prefix) :], v) for k, v in metadata.items() if k == own or k.startswith(prefix)
             )
-        result = load_model_state(wrapper, part, strict=False, settings=get_settings(wrapper))
+        with guarded_call(wrapper, "load_state_dict() of a module holding the model", clears=True):
+            result = load_model_state(wrapper, part, strict=False, settings=get_settings(wrapper))
         missing_keys.extend(prefix + key for key in result.missing_keys)
         unexpected_keys.extend(prefix + key for key in result.unexpected_keys)
         for unit in units:
@@ -159,4 +161,5 @@ def full_state(wrapper: nn.Module, prefix: str, keep_vars: bool) -> Dict[str, An
     """``wrapper``'s ``FULL_STATE_DICT`` with keys under ``prefix``: with the model's own
     ``FullStateDictConfig`` if its type is ``FULL_STATE_DICT``, else the default one.
     Collective."""
-    return model_state(wrapper, None, prefix, keep_vars, get_settings(wrapper, full=True))
+    with guarded_call(wrapper, "state_dict() of the wrapped module"):
+        return model_state(wrapper, None, prefix, keep_vars, get_settings(wrapper, full=True))

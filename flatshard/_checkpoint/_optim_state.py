@@ -251,7 +251,7 @@ def _with_state_of_parameters_not_held(
     training does. Collective: an object all-gather of the names concerned, and one of their
     state layouts if there are any."""
     not_held = {index.names_of(p)[0] for p in params if id(p) in index.views and p.numel() == 0}
-    wanted = set().union(*all_gather_object(sorted(not_held), index.root.group))
+    wanted = set().union(*all_gather_object(sorted(not_held), index.root.comm))
     if not wanted:
         return list(states)
     mine: Dict[str, List[Tuple[str, bool, Any]]] = {}
@@ -261,7 +261,7 @@ def _with_state_of_parameters_not_held(
             kinds = [(key, value, _kind(key, value, (1,)) == "scalar") for key, value in state.items()]
             mine[name] = [(key, scalar, value if scalar else value.dtype) for key, value, scalar in kinds]
     layouts: Dict[str, List[Tuple[str, bool, Any]]] = {}
-    for theirs in all_gather_object(mine, index.root.group):
+    for theirs in all_gather_object(mine, index.root.comm):
         for name, layout in theirs.items():
             layouts.setdefault(name, layout)
     filled = list(states)
@@ -619,7 +619,7 @@ def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], targ
             skeleton = ("ok", new_groups, plans, [i for i, p in enumerate(everything) if id(p) in kept])
         except Exception as exc:  # noqa: BLE001 - malformed input: every rank raises, none waits
             skeleton = ("error", f"{type(exc).__name__}: {exc}", None, None)
-    skeleton = broadcast_object(skeleton, root.group)
+    skeleton = broadcast_object(skeleton, root.comm)
     if skeleton[0] == "error":
         raise ValueError(f"[rank {root.rank}] {what}: {skeleton[1]}")
     _, new_groups, plans, kept_positions = skeleton

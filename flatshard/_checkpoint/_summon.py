@@ -9,7 +9,10 @@ land there and the shard's range is copied back on exit; a parameter the user *r
 (``module.weight = nn.Parameter(...)``) is copied back by value. Without ``writeback`` the
 changes must vanish: a full flat tensor that outlives the context (``NO_SHARD``, or a unit
 gathered before the context) is therefore never handed out, only a copy of it. On exit the
-summoned parameters are emptied, so a reference kept past the context cannot read freed memory. A forward
+summoned parameters are emptied, so a reference kept past the context cannot read freed memory.
+A ``with`` block that raises still writes back, as in FSDP1 -- unless the error left a guarded
+call inside the block on this rank only: the peers heard of it ([Note: peer failures]), the
+write-back raises, and this rank raises the block's error. A forward
 inside the context runs the wrapped modules as they are, without gathering or hooks, so
 evaluation and generation work on the full model.
 """
@@ -22,9 +25,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree, raise_together, take_user_writes
+from ._checkpointing import check_grads_averaged, check_idle, check_ranks_agree, guarded_call, raise_together, take_user_writes
 from .._base._common import HandleState, TrainingState, display_name, join_name
 from .._base._errors import UnsupportedCombinationError
+from .._comm._peer_failures import PeerFailedError
 from ._plain_view import install_params
 from .._engine._unit import Unit
 from .._flat._flat_param import FlatParamHandle
@@ -56,51 +60,88 @@ def summon_full_params(
     with_grads: bool,
 ) -> Iterator[None]:
     """Gather ``units`` and install their full parameters on ``modules`` (every module of the
-    tree summoned over) for the ``with`` block; see [Note: summoned units]."""
-    check_summon_options(writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
-    check_idle(units, "summon_full_params")
-    take_user_writes(units, "summon_full_params")
+    tree summoned over) for the ``with`` block; see [Note: summoned units]. Entering and
+    writing back are two guarded calls ([Note: one guarded path] in ``_comm/_guard``)."""
     handles = [h for unit in units for h in unit.handles]
-    if with_grads:
-        check_grads_averaged(units, "summon_full_params(with_grads=True)")
-    if units:
-        flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
-        items = [flags] + [f"unit {display_name(u.name)}" for u in units]
-        if with_grads:
-            items += [f"{'a' if h.flat_grad() is not None else 'no'} gradient for unit {display_name(u.name)}" for u in units for h in u.handles]
-        check_ranks_agree(units[0], items, "summon_full_params")
-    for unit in units:
-        unit.move((_IDLE,), _SUMMON)
-    gathered_before = {h: h.state is not HandleState.SHARDED for h in handles}
     values: Dict[FlatParamHandle, List[nn.Parameter]] = {}
     aliased: Dict[FlatParamHandle, bool] = {}
-    try:
-        keep = {h: not rank0_only or h.rank == 0 for h in handles}
-        for handle in handles:
-            params, aliased[handle] = _summoned_params(handle, writeback, offload_to_cpu, gathered_before[handle])
-            grads = handle.gather_grad() if with_grads else None
-            if not keep[handle]:
-                if not gathered_before[handle] and handle.state is not HandleState.SHARDED:
-                    handle.reshard()  # only rank 0 keeps them
-                continue
-            if grads is not None:
-                for param, grad in zip(params, handle.split_full(grads)):
-                    param.grad = grad.cpu() if offload_to_cpu else grad
-            values[handle] = params
+    with contextlib.ExitStack() as leave:
+        with guarded_call(units, "summon_full_params()"):
+            check_summon_options(writeback=writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+            flags = f"writeback={writeback}, rank0_only={rank0_only}, offload_to_cpu={offload_to_cpu}, with_grads={with_grads}"
+            _check_may_summon(units, flags, with_grads)
+            for unit in units:
+                unit.move((_IDLE,), _SUMMON)
+            gathered_before = {h: h.state is not HandleState.SHARDED for h in handles}
+            leave.callback(_leave, units, handles, gathered_before, values)
+            _gather_all(handles, values, aliased, writeback, rank0_only, offload_to_cpu, with_grads, gathered_before)
         installed = [h for h in handles if h in values]
         with install_params(modules, installed, values):
             try:
                 yield
-            finally:
+            except BaseException:
                 if writeback:
+                    _write_back_after_error(units, values, aliased)
+                raise
+            if writeback:
+                with guarded_call(units, _WRITING_BACK):
                     _write_back_all(units, values, aliased)
-    finally:
-        _empty_summoned(values)
-        for handle in handles:  # (under mixed precision a separate copy was gathered instead)
+
+
+_WRITING_BACK = "the end of summon_full_params() (writing back)"
+
+
+def _write_back_after_error(units: Sequence[Unit], values: Dict[FlatParamHandle, List[nn.Parameter]], aliased: Dict[FlatParamHandle, bool]) -> None:
+    """The ``with`` block raised: write back all the same (as FSDP1 does), unless this rank
+    left a guarded call inside the block that the others did not (they heard of it: [Note: peer
+    failures]); the block's own error is what this rank raises either way."""
+    try:
+        with guarded_call(units, _WRITING_BACK):
+            _write_back_all(units, values, aliased)
+    except PeerFailedError:
+        pass
+
+
+def _check_may_summon(units: Sequence[Unit], flags: str, with_grads: bool) -> None:
+    """Everything ``summon_full_params`` checks before gathering (some of it collective)."""
+    check_idle(units, "summon_full_params")
+    take_user_writes(units, "summon_full_params")
+    if with_grads:
+        check_grads_averaged(units, "summon_full_params(with_grads=True)")
+    if units:
+        items = [flags] + [f"unit {display_name(u.name)}" for u in units]
+        if with_grads:
+            items += [f"{'a' if h.flat_grad() is not None else 'no'} gradient for unit {display_name(u.name)}" for u in units for h in u.handles]
+        check_ranks_agree(units[0], items, "summon_full_params")
+
+
+def _gather_all(
+    handles: List[FlatParamHandle], values: Dict[FlatParamHandle, List[nn.Parameter]], aliased: Dict[FlatParamHandle, bool],
+    writeback: bool, rank0_only: bool, offload: bool, with_grads: bool, gathered_before: Dict[FlatParamHandle, bool],
+) -> None:
+    """Gather every handle (and its gradient), filling ``values`` with the parameters to install."""
+    keep = {h: not rank0_only or h.rank == 0 for h in handles}
+    for handle in handles:
+        params, aliased[handle] = _summoned_params(handle, writeback, offload, gathered_before[handle])
+        grads = handle.gather_grad() if with_grads else None
+        if not keep[handle]:
             if not gathered_before[handle] and handle.state is not HandleState.SHARDED:
-                handle.reshard()
-        for unit in units:
-            unit.move((_SUMMON,), _IDLE)
+                handle.reshard()  # only rank 0 keeps them
+            continue
+        if grads is not None:
+            for param, grad in zip(params, handle.split_full(grads)):
+                param.grad = grad.cpu() if offload else grad
+        values[handle] = params
+
+
+def _leave(units: Sequence[Unit], handles: List[FlatParamHandle], gathered_before: Dict[FlatParamHandle, bool], values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:
+    """Free what the context gathered and put the units back to IDLE."""
+    _empty_summoned(values)
+    for handle in handles:  # (under mixed precision a separate copy was gathered instead)
+        if not gathered_before[handle] and handle.state is not HandleState.SHARDED:
+            handle.reshard()
+    for unit in units:
+        unit.move((_SUMMON,), _IDLE)
 
 
 def _empty_summoned(values: Dict[FlatParamHandle, List[nn.Parameter]]) -> None:

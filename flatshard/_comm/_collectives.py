@@ -226,27 +226,40 @@ class Communicator:
     shutdown, where destroying gloo's threads can abort the process.
     """
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, guard: Optional[Any] = None) -> None:
         self._group = weakref.ref(group)
         self.rank = rank_of(group)
         self.world_size = size_of(group)
-        self.gloo = "gloo" in backend_of(group)
+        backend = backend_of(group)
+        self.gloo = "gloo" in backend
+        # Whether its collectives reach other ranks (not alone, not torch's fake group): only
+        # then must they run inside a guarded call.
+        self.live = self.world_size > 1 and "fake" not in backend.lower()
         # Told about every collective issued (tests' trace of a step); see ``observe``.
         self._observer: Optional[Callable[[CollectiveEvent], None]] = None
         # Carries the two-rank swaps when set: [Note: pair exchange over shared memory].
         self.channel: Optional[Any] = None
         self.channel_label = ""  # what this communicator's chunks are of (the peer's must match)
-        # Set by the root's runtime: its ``StepWatch`` (see [Note: peer failures]) and what
-        # this communicator's collectives are of, for its messages.
-        self.watch: Optional[Any] = None
+        # The ``Guard`` whose calls its collectives belong to ([Note: one guarded path] in
+        # ``_guard``; bound by the guard), and what its collectives are of, for messages.
+        self.guard: Optional[Any] = guard
         self.label = ""
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Communicator":
-        """A copied model talks over the same group, through an exchange of its own (made at
-        its first forward) and unobserved: see [Note: deep copies] in ``_deepcopy``."""
+        """A copied model talks over the same group, through an exchange and a guard of its own
+        (made for its first call) and unobserved: see [Note: deep copies] in ``_deepcopy``."""
         new = Communicator(self.group)
         memo[id(self)] = new
         return new
+
+    def sibling(self, group: ProcessGroup) -> "Communicator":
+        """A communicator over ``group`` whose collectives belong to this one's guard."""
+        return Communicator(group, self.guard)
+
+    @property
+    def watch(self) -> Optional[Any]:
+        """The guard's ``StepWatch`` (see [Note: peer failures]), if any."""
+        return self.guard.watch if self.guard is not None else None
 
     def use_channel(self, channel: Optional[Any], label: str = "") -> None:
         """Swap chunks with the peer through ``channel`` (a ``SharedMemoryChannel`` of this
@@ -263,10 +276,19 @@ class Communicator:
         self._observer = observer
 
     def _note(self, kind: str, op: str, nbytes: int, check: bool = False) -> None:
+        """Before each collective: its guard's turn ([Note: one guarded path] in ``_guard``),
+        then the observer's."""
+        what = f"{'an agreement check' if check else kind} ({self.label or 'the root'})"
+        if self.guard is not None:
+            self.guard.before_collective(what)
+        elif self.live:
+            raise AssertionError(
+                f"[rank {self.rank}] flatshard issued a collective ({what}) through a communicator that belongs "
+                f"to no guard: every flatshard operation that communicates must run as a call of its Guard "
+                f"([Note: one guarded path])"
+            )
         if self._observer is not None:
             self._observer(CollectiveEvent(kind, op, nbytes, check))
-        if self.watch is not None:
-            self.watch.issue(f"{'an agreement check' if check else kind} ({self.label or 'the root'})")
 
     def global_ranks(self) -> List[int]:
         """The group's ranks in the default group, in group order."""
@@ -510,17 +532,17 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def all_ranks_agree(text: str, group: ProcessGroup, device: torch.device) -> bool:
+def all_ranks_agree(text: str, comm: Communicator, device: torch.device) -> bool:
     """Whether every rank passed the same ``text`` (``Communicator.agree`` of its digest)."""
-    return Communicator(group).agree(fingerprint(text), device)
+    return comm.agree(fingerprint(text), device)
 
 
-def broadcast_object(obj: Any, group: ProcessGroup) -> Any:
+def broadcast_object(obj: Any, comm: Communicator) -> Any:
     """The group's first rank's ``obj`` on every rank (for metadata only; see
     [Note: object collectives])."""
-    if size_of(group) == 1:
+    if comm.world_size == 1:
         return obj
-    comm = Communicator(group)
+    group = comm.group
     if comm.rank != 0 and exchanges_no_data(group):
         raise RuntimeError(
             f"[rank {comm.rank}] this step needs data that only the group's first rank has (an object it "
@@ -580,7 +602,7 @@ def gather_if_different(items: List[str], comm: Communicator, device: torch.devi
     else every rank's ``items``, in rank order (an object all-gather)."""
     if comm.agree(fingerprint("\n".join(items)), device):
         return None
-    return all_gather_object(list(items), comm.group)
+    return all_gather_object(list(items), comm)
 
 
 def first_difference(items: List[str], comm: Communicator, device: torch.device) -> Optional[RankDifference]:
@@ -592,7 +614,7 @@ def first_difference(items: List[str], comm: Communicator, device: torch.device)
     return differences(per_rank, "nothing")[0]
 
 
-def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
+def all_gather_object(obj: Any, comm: Communicator) -> List[Any]:
     """Every rank's ``obj``, in rank order (slow; for error reports and metadata only).
 
     [Note: object collectives] torch's own object collectives (``all_gather_object``,
@@ -601,10 +623,9 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     case, exactly on the error paths that are meant to explain a rank disagreement. So
     flatshard pickles into a byte tensor itself and reads the bytes back without numpy.
     """
-    comm = Communicator(group)
     if comm.world_size == 1:
         return [obj]
-    device = object_device(group)
+    device = object_device(comm.group)
     payload = _to_bytes(obj, device)
     sizes = comm.gather_ints(payload.numel(), device)
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)

@@ -1,23 +1,35 @@
-"""No rank waits alone: a rank that leaves a step tells the others through the store.
+"""No rank waits alone: a rank that leaves a call tells the others through the store.
 
-[Note: peer failures] A rank whose forward or backward raises leaves the step; its peers are in
-the same step's collectives and would wait for it until the process group's timeout (or pair
-their next collectives with the wrong ones). So every root has a ``StepWatch``:
+[Note: peer failures] A rank whose flatshard call raises after the call's first collective
+(a forward or backward that raised, a state dict, a clip, a checkpoint: see [Note: one guarded
+path] in ``_guard``) leaves its peers inside that call's collectives: they would wait for it
+until the process group's timeout, or pair their next collectives with the wrong ones. (A call
+that raises before its first collective tells its peers through the call's entry check
+instead, and the process group stays usable.) So every ``Guard`` has a ``StepWatch``:
 
-- a rank that leaves step k (its forward raised: ``abandon_forward``; its backward raised: the
-  next forward's ``settle``; a collective of its own failed) writes one record under the
-  root's key in the process group's store: the step, what it raised, where, and whether it
-  left a collective in flight that can never complete ("stuck");
+- a rank that leaves a call (its forward raised: ``abandon_forward``; its backward raised: the
+  next call's ``settle``; any other guarded call raised after its entry check; a collective of
+  its own failed) writes one record in the process group's store: LEFT, with the call's tag and
+  what it raised, where;
 - waits on gloo collectives and on the shared-memory exchange run in slices of ``SLICE_S``; a
-  wait that outlasts a slice looks at the peers' records, and one for its own step ends the
-  wait with an error naming that rank, what it raised, the unit and the phase. The rank that
-  raised it is then stuck (its collective can never complete) and says so in its own record;
-- the rank that left raises at its next flatshard collective unless every peer left the same
-  step cleanly (each raised in its own code and nothing was left in flight: a forward that
-  raises alike on every rank leaves the model usable, see [Note: a forward that raised]). It
-  waits for the peers' records for up to the process group's timeout to decide.
-- A stuck rank raises at every later collective: its process group holds a collective that
-  will never complete, and gloo would pair the next ones with the wrong partners.
+  wait that outlasts a slice looks at the peers' records, and a LEFT that this rank did not
+  leave alike, or a STUCK, ends the wait with an error naming that rank, what it raised and
+  where. The rank that raised it is then stuck (its collective can never complete) and writes
+  STUCK;
+- the rank that left settles at its next flatshard collective: it goes on only if every peer
+  left the same call (the same tag) without being stuck -- every rank raised alike in its own
+  code and nothing was left in flight, e.g. a forward that raises alike on every rank, see
+  [Note: a forward that raised] -- and then writes CLEARED; else it raises. It waits for the
+  peers' records for up to the process group's timeout to decide.
+- A stuck rank raises at every later collective of its guard: its process group holds a
+  collective that will never complete, and gloo would pair the next ones with the wrong
+  partners.
+
+The records live under a key of the set of ranks (one record per rank), not of one model, so
+the other flatshard objects over the same ranks (a second model, a ``RunCheckpoints``, a
+``ShardedGradScaler``) see them too: a rank that left one object's call and then waits in
+another's, or whose peer does, still learns it. Tags name the object (numbered in creation
+order per set of ranks, the same on every rank) and its call count.
 
 While nothing fails nothing touches the store: a wait shorter than a slice costs what it did,
 and a longer one costs one store lookup per peer per slice. A wait that reaches the process
@@ -25,78 +37,109 @@ group's timeout raises a report instead (``timeout_report``): this rank's last c
 peers that reached the same collective and those that did not, and the step.
 
 Which waits can still only end at the timeout: NCCL's (a NCCL wait does not block the host;
-the host blocks later, in a synchronisation flatshard does not own), and a peer that stops
-without raising and without exiting (a deadlock in user code, an endless loop): it writes no
-record, so the others learn nothing before the timeout report.
+the host blocks later, in a synchronisation flatshard does not own), those inside
+``torch.distributed.checkpoint``'s own collectives, and a peer that stops without raising and
+without exiting (a deadlock in user code, an endless loop): it writes no record, so the others
+learn nothing before the timeout report.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from enum import Enum
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PeerFailedError", "StepWatch", "SLICE_S", "make_watch"]
+__all__ = ["PeerFailedError", "RecordState", "StepWatch", "SLICE_S", "make_watch"]
 
 # How long a wait runs before it looks at the peers' records (and between looks).
 SLICE_S = 1.0
-# How often the rank that left a step looks for its peers' records while it decides.
+# How often the rank that left a call looks for its peers' records while it decides.
 _POLL_S = 0.05
 _LAST = 8  # collectives remembered for the timeout report
 
 
 class PeerFailedError(RuntimeError):
-    """A peer left the step this rank is in (its error says which and why), or this rank's
+    """A peer left the call this rank is in (its error says which and why), or this rank's
     process group is stuck since."""
+
+
+class RecordState(Enum):
+    """What a rank's record in the store says (see [Note: peer failures])."""
+
+    LEFT = "left"  # it raised in the call of ``tag`` after its first collective
+    CLEARED = "cleared"  # every rank left that call alike; the ranks went on together
+    STUCK = "stuck"  # its process group holds a collective that can never complete
 
 
 @dataclass(frozen=True)
 class _Record:
-    step: int
-    stuck: bool
+    state: RecordState
+    tag: str
     text: str
 
     def encode(self) -> bytes:
-        return f"{self.step}|{int(self.stuck)}|{self.text}".encode()
+        return f"{self.state.value}|{self.tag}|{self.text}".encode()
 
     @staticmethod
     def decode(raw: bytes) -> "_Record":
-        step, stuck, text = raw.decode(errors="replace").split("|", 2)
-        return _Record(int(step), stuck == "1", text)
+        state, tag, text = raw.decode(errors="replace").split("|", 2)
+        return _Record(RecordState(state), tag, text)
 
 
 class StepWatch:
-    """One root's view of its peers' failures (see [Note: peer failures]).
+    """One guard's view of its peers' failures (see [Note: peer failures]).
 
     Args:
         store: a store every rank reaches (``torch.distributed.Store``).
-        key: this root's prefix in the store, the same on every rank.
-        rank: this rank (global); ``peers``: the other ranks of the root's groups (global).
+        key: the prefix of the records of this set of ranks, the same on every rank.
+        number: which object over this set of ranks the watch is (the same on every rank).
+        rank: this rank (global); ``peers``: the other ranks of the guard's groups (global).
         timeout: the process group's timeout.
     """
 
-    def __init__(self, store: Any, key: str, rank: int, peers: List[int], timeout: timedelta) -> None:
+    def __init__(self, store: Any, key: str, number: int, rank: int, peers: List[int], timeout: timedelta) -> None:
         self.store = store
         self.key = key
+        self.number = number
         self.rank = rank
         self.peers = list(peers)
         self.timeout_s = timeout.total_seconds()
-        self.step = 0
-        # The step this rank left (with what it said), not yet settled with the peers.
+        self.step = 0  # root forwards (the "step" errors name)
+        self.calls = 0  # calls entered, forwards included (the tags' count)
+        self.tag = self._tag()  # the call this rank is in, or was in last
+        # The call this rank left (with what it said), not yet settled with the peers.
         self.left: Optional[_Record] = None
         # Why this rank's process group can no longer be used.
         self.stuck: Optional[str] = None
-        self.issued = 0  # collectives issued through this root
+        self.issued = 0  # collectives issued through this guard
         self.last: Deque[Tuple[int, int, str]] = deque(maxlen=_LAST)  # (number, step, what)
+
+    def _tag(self) -> str:
+        return f"{self.number}:{self.calls}"
 
     # -- the steady state ---------------------------------------------------------------------
 
     def begin_step(self) -> None:
+        """A root forward starts (a new step, for the messages)."""
         self.step += 1
+
+    def enter(self) -> None:
+        """A call starts: raise if this rank cannot take part; settle a call it left."""
+        if self.stuck is not None:
+            raise PeerFailedError(self.stuck)
+        if self.left is not None:
+            self._settle_left()
+
+    def next_call(self) -> None:
+        """The call that started makes its first collective: it counts from now on."""
+        self.calls += 1
+        self.tag = self._tag()
 
     def issue(self, what: str) -> None:
         """Before each collective: raise if this rank cannot take part (see the Note)."""
@@ -107,24 +150,28 @@ class StepWatch:
         self.issued += 1
         self.last.append((self.issued, self.step, what))
 
-    # -- leaving a step -------------------------------------------------------------------------
+    # -- leaving a call ---------------------------------------------------------------------------
 
     def leave(self, where: str, error: BaseException) -> None:
-        """This rank leaves the current step: its ``where`` (unit and phase) raised ``error``."""
+        """This rank leaves the current call: its ``where`` (what and which phase) raised ``error``."""
         if isinstance(error, PeerFailedError) or self.stuck is not None:
             return  # (its record says so already)
-        if self.left is not None and self.left.step == self.step:
-            return  # (an enclosing unit's forward, which the same error leaves)
-        self.leave_with(f"rank {self.rank} raised {type(error).__name__}({_short(error)}) in {where} of step {self.step}")
+        self.leave_with(f"rank {self.rank} raised {type(error).__name__}({_short(error)}) in {where}")
 
     def leave_with(self, text: str) -> None:
-        """This rank leaves the current step, for the reason ``text`` (it names the rank)."""
-        if self.stuck is None and (self.left is None or self.left.step != self.step):
-            self.left = _Record(self.step, False, text)
+        """This rank leaves the current call, for the reason ``text`` (it names the rank). A
+        call of another object's guard inside this one that left first (its record is still
+        LEFT) stands for both: this watch settles on its tag."""
+        if self.stuck is None and (self.left is None or self.left.tag != self.tag):
+            mine = self._read(self.rank)
+            if mine is not None and mine.state is RecordState.LEFT and mine.tag != self.tag:
+                self.left = mine
+                return
+            self.left = _Record(RecordState.LEFT, self.tag, text)
             self._write(self.left)
 
     def _settle_left(self) -> None:
-        """Continue only if every peer left the same step cleanly; else raise."""
+        """Continue only if every peer left the same call without being stuck; else raise."""
         left = self.left
         self.left = None
         if left is None:
@@ -134,23 +181,23 @@ class StepWatch:
         while pending:
             for peer in list(pending):
                 record = self._read(peer)
-                if record is None or record.step < left.step:
-                    continue
-                if record.stuck or record.step > left.step:
-                    self._raise_stuck(left.step, f"{left.text}; rank {peer} could not go on: {record.text}")
+                if record is None or (record.state is not RecordState.STUCK and record.tag != left.tag and not _later(record.tag, left.tag)):
+                    continue  # (nothing yet about this call: it is still in it, or has not heard)
+                if record.state is RecordState.STUCK or record.tag != left.tag:
+                    self._raise_stuck(f"{left.text}; rank {peer} could not go on: {record.text}")
                 pending.remove(peer)
             if pending and time.monotonic() > deadline:
                 self._raise_stuck(
-                    left.step,
-                    f"{left.text}, and ranks {pending} did not leave that step within the process group's "
-                    f"timeout ({self.timeout_s:.0f} s)",
+                    f"{left.text}, and ranks {pending} did not leave that call within the process group's "
+                    f"timeout ({self.timeout_s:.0f} s)"
                 )
             if pending:
                 time.sleep(_POLL_S)
+        self._write(_Record(RecordState.CLEARED, left.tag, left.text))
 
-    def _raise_stuck(self, step: int, why: str) -> None:
+    def _raise_stuck(self, why: str) -> None:
         self.stuck = f"[rank {self.rank}] the ranks cannot go on together: {why}"
-        self._write(_Record(step, True, self.stuck))
+        self._write(_Record(RecordState.STUCK, self.tag, self.stuck))
         raise PeerFailedError(self.stuck)
 
     # -- waiting ----------------------------------------------------------------------------------
@@ -166,29 +213,45 @@ class StepWatch:
                 return
             except RuntimeError as exc:
                 if work.is_completed():  # (failed, not a slice that ran out)
-                    self._fail_collective(what, exc)
+                    self._fail_collective(what, exc, started)
             self.look(started, what)
 
-    def _fail_collective(self, what: str, exc: BaseException) -> None:
-        """This rank's collective failed. A peer that left the step (and then, say, closed
+    def _fail_collective(self, what: str, exc: BaseException, started: float) -> None:
+        """This rank's collective failed. A peer that left the call (and then, say, closed
         its connections: gloo's "Connection closed by peer") wrote its record before it did,
-        so the records come first, naming that rank; else the peers whose process exited."""
+        so the records come first, naming that rank; then gloo's own timeout (the process
+        group's, reached as this rank's): the timeout report; else the peers whose process
+        exited."""
         failure = f"its collective {what} failed: {type(exc).__name__}: {_short(exc)}"
-        record = self._left_this_step()
+        record = self._peer_failure()
         if record is not None:
             self.fail_wait(f"{record.text}, while rank {self.rank} waited in {what} ({failure})")
+        waited = time.monotonic() - started
+        if "Timed out" in str(exc) or waited >= self.timeout_s:
+            self.fail_wait(self.timeout_report(what, max(waited, self.timeout_s)))
         gone = "; ".join(self._exited_peers())
         self.fail_wait(f"{gone + ': ' if gone else ''}{failure}")
 
-    def _left_this_step(self) -> Optional[_Record]:
-        """A peer's record of leaving this step (the rank that left first, before those it left
-        stuck), or ``None``."""
-        records = [r for r in map(self._read, self.peers) if r is not None and r.step == self.step]
-        return min(records, key=lambda r: r.stuck) if records else None
+    def _peer_failure(self) -> Optional[_Record]:
+        """A peer's record that this rank cannot go on past: a LEFT of a call this rank did not
+        leave alike (the rank that left first, before those it left stuck), or a STUCK."""
+        found: List[_Record] = []
+        mine: Optional[_Record] = None
+        for record in map(self._read, self.peers):
+            if record is None or record.state is RecordState.CLEARED:
+                continue
+            if record.state is RecordState.LEFT:
+                if self.left is not None and self.left.tag == record.tag:
+                    continue  # (left alike: settling decides)
+                mine = mine or self._read(self.rank) or _Record(RecordState.CLEARED, "", "")
+                if mine.state is not RecordState.STUCK and mine.tag == record.tag:
+                    continue  # (this rank left that call too, through another object's guard)
+            found.append(record)
+        return min(found, key=lambda r: r.state is RecordState.STUCK) if found else None
 
     def look(self, started: float, what: str) -> None:
-        """Between slices of a wait: raise if a peer left this step or the timeout passed."""
-        record = self._left_this_step()
+        """Between slices of a wait: raise if a peer left or the timeout passed."""
+        record = self._peer_failure()
         if record is not None:
             self.fail_wait(f"{record.text}, while rank {self.rank} waited in {what}")
         if time.monotonic() - started > self.timeout_s:
@@ -197,13 +260,13 @@ class StepWatch:
     def fail_wait(self, why: str) -> None:
         """A wait of this rank ends in an error: its collective can never complete."""
         self.stuck = f"[rank {self.rank}] {why}"
-        self._write(_Record(self.step, True, self.stuck))
+        self._write(_Record(RecordState.STUCK, self.tag, self.stuck))
         raise PeerFailedError(self.stuck)
 
     def timeout_report(self, what: str, waited: float) -> str:
         """What a rank that waited the whole timeout says: its last collectives, which peers
         reached the same one, and the step."""
-        mine = f"{self.step}:{self.issued}"
+        mine = f"{self.tag}:{self.issued}"
         self.store.set(f"{self.key}/at/{self.rank}", f"{mine}|{what}".encode())
         deadline = time.monotonic() + min(2 * SLICE_S, self.timeout_s)
         theirs: Dict[int, str] = {}
@@ -214,7 +277,7 @@ class StepWatch:
             time.sleep(_POLL_S)
         joined = [p for p, v in theirs.items() if v.split("|", 1)[0] == mine]
         behind = [p for p in self.peers if p not in joined]
-        where = [f"rank {p} waits in {theirs[p].split('|', 1)[1]} (step:collective {theirs[p].split('|', 1)[0]})" for p in behind if p in theirs]
+        where = [f"rank {p} waits in {theirs[p].split('|', 1)[1]} (call:collective {theirs[p].split('|', 1)[0]})" for p in behind if p in theirs]
         lines = [
             f"waited {waited:.0f} s (the process group's timeout) in {what}, collective #{self.issued} of step {self.step}",
             f"ranks that reached it too: {joined or 'none'}; ranks that did not: {behind or 'none'}"
@@ -246,8 +309,8 @@ class StepWatch:
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing left to tell
             pass
 
-    def _read(self, peer: int) -> Optional[_Record]:
-        key = f"{self.key}/left/{peer}"
+    def _read(self, rank: int) -> Optional[_Record]:
+        key = f"{self.key}/left/{rank}"
         try:
             if not self.store.check([key]):
                 return None
@@ -256,15 +319,25 @@ class StepWatch:
             return None
 
 
-def make_watch(store: Any, rank: int, peers: List[int], timeout: timedelta) -> Optional[StepWatch]:
-    """A new root's ``StepWatch``: its key is this rank's count of roots so far, the same on
-    every rank (roots start at their first forward, which the ranks run alike)."""
+def make_watch(store: Any, rank: int, peers: Sequence[int], timeout: timedelta) -> Optional[StepWatch]:
+    """A new guard's ``StepWatch``: its records' key is that of its set of ranks, its number
+    this rank's count of watches over that set so far, the same on every rank (the ranks make
+    the same objects in the same order)."""
     if not peers:
         return None
-    number = store.add(f"flatshard/roots/{rank}", 1)
-    watch = StepWatch(store, f"flatshard/root{number}", rank, peers, timeout)
-    store.set(f"{watch.key}/process/{rank}", f"{socket.gethostname()}:{os.getpid()}".encode())
+    ranks = ",".join(str(r) for r in sorted({rank, *peers}))
+    key = "flatshard/ranks-" + hashlib.sha256(ranks.encode()).hexdigest()[:16]
+    number = store.add(f"{key}/watches/{rank}", 1)
+    watch = StepWatch(store, key, number, rank, [p for p in peers if p != rank], timeout)
+    store.set(f"{key}/process/{rank}", f"{socket.gethostname()}:{os.getpid()}".encode())
     return watch
+
+
+def _later(tag: str, than: str) -> bool:
+    """Whether call ``tag`` of an object came after call ``than`` of the same object."""
+    number, calls = tag.split(":")
+    other_number, other_calls = than.split(":")
+    return number == other_number and int(calls) > int(other_calls)
 
 
 def _alive(pid: int) -> bool:
@@ -284,4 +357,3 @@ def _alive(pid: int) -> bool:
 def _short(error: BaseException) -> str:
     text = str(error).splitlines()[0] if str(error) else ""
     return repr(text[:200])
-

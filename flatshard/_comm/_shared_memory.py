@@ -56,7 +56,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ._collectives import GROUP_DESTROYED, SWAP_GATHER, SWAP_REDUCE, ProcessGroup, all_gather_object, fingerprint, rank_of
+from ._collectives import GROUP_DESTROYED, SWAP_GATHER, SWAP_REDUCE, Communicator, all_gather_object, fingerprint, rank_of
 from ._peer_failures import SLICE_S
 
 ENV_SWITCH = "FLATSHARD_SHARED_MEMORY"
@@ -158,8 +158,12 @@ class SharedMemoryChannel:
     exchange]). ``capacity_hint``: the largest chunk in bytes the caller expects to swap; the
     arena holds three of them (at most 256 MiB more than one), and larger chunks stay on gloo."""
 
-    def __init__(self, group: ProcessGroup, capacity_hint: int, timeout: timedelta) -> None:
+    def __init__(self, comm: Communicator, capacity_hint: int, timeout: timedelta) -> None:
+        group = comm.group
         self._group = weakref.ref(group)
+        # The connection's own collectives (a guarded communicator of the group, see [Note: one
+        # guarded path] in ``_guard``).
+        self._comm = comm
         self.rank = rank_of(group)
         self.peer = 1 - self.rank
         self.state = ChannelState.UNTRIED
@@ -204,7 +208,7 @@ class SharedMemoryChannel:
         if group is None:
             raise RuntimeError(GROUP_DESTROYED)
         self.state = ChannelState.UNAVAILABLE  # (also if a collective below raises: never retried)
-        everyone = all_gather_object(_local_facts(self.capacity_hint), group)
+        everyone = all_gather_object(_local_facts(self.capacity_hint), self._comm)
         if not _usable(everyone):
             return
         largest = _aligned(max(f["hint"] for f in everyone))
@@ -216,8 +220,8 @@ class SharedMemoryChannel:
         created = agreed = False
         try:
             created = self._create(paths[self.rank])
-            opened = all(all_gather_object(created, group)) and self._open_peer(paths[self.peer])
-            agreed = all(all_gather_object(opened, group))
+            opened = all(all_gather_object(created, self._comm)) and self._open_peer(paths[self.peer])
+            agreed = all(all_gather_object(opened, self._comm))
         finally:
             if created:  # both ranks mapped both segments, or gave up, or failed: the names can go
                 _quietly(os.unlink, [paths[self.rank], paths[self.rank] + ".bell"])

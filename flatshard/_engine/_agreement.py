@@ -15,24 +15,27 @@ next forward after such a step raises on every rank, naming each rank's count.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
-from .._comm._collectives import all_gather_object, differences, fingerprint, item_at
+from .._comm._collectives import differences, item_at
+from .._comm._guard import Guard, Position
 from .._base._common import display_name
-from .._flat._exec_order import END_OF_BACKWARD, mismatch, token
-from .._comm._host_checks import check_device
+from .._flat._exec_order import describe
 from ._unit import Unit
 from .._flat._flat_param import FlatParamHandle
 
-__all__ = ["AgreementChecks"]
+__all__ = ["AgreementChecks", "RULE"]
 
 
 class AgreementChecks:
-    """Rank-agreement checks (see the module docstring)."""
+    """Rank-agreement checks (see the module docstring). Every check is a position check of
+    the root's guard ([Note: one guarded path] in ``_comm/_guard``), so a rank at any other
+    check or call entry pairs with it and is named."""
 
     # (set by RootRuntime.__init__ and RootContext.__init__)
+    guard: Guard
     checking: bool
     check_comms: List[Any]
     units: List[Unit]
@@ -41,22 +44,15 @@ class AgreementChecks:
 
     def _check_order(self, value: int) -> None:
         """One per-collective order check (a ``token``, see [Note: order check]) while
-        checking: ``_agree`` raises on any difference, since this rank's value is a token."""
-        if not self.checking:
-            return
-        for comm in self.check_comms:
-            self._agree(comm, value)
+        checking: a position check of the guard at the collective the token names."""
+        if self.checking:
+            self.guard.position(describe(value, [_label(u) for u in self.units]), [_PER_COLLECTIVE], explain=_units_differ)
 
     def _check_forward_order(self, order: List[Unit]) -> None:
-        """The one check every root forward makes: did all ranks run the same units in order,
-        after the same number of optimizer steps? See [Note: order check]."""
+        """The one check every root forward makes at its end: did all ranks run the same units
+        in order, after the same number of optimizer steps? See [Note: order check]."""
         names = [_label(u) for u in order]
-        digest = fingerprint("\n".join(names + [f"optimizer steps: {self.optimizer_steps}"]))
-        for comm in self.check_comms:
-            if self._agree(comm, digest):
-                continue
-            everyone = all_gather_object((_FORWARD, names, self.optimizer_steps), comm.group)
-            raise RuntimeError(f"[rank {comm.rank}] {_forward_difference(everyone)}")
+        self.guard.position(_FORWARD, names + [f"optimizer steps: {self.optimizer_steps}"], explain=_forward_difference)
 
     def _check_backward_agrees(self) -> None:
         """[Note: backward agreement] Ranks whose backward passes reach different units (one
@@ -65,55 +61,40 @@ class AgreementChecks:
         reaches one of the root's units, the ranks compare a digest of which handles will
         receive a gradient in this backward (autograd knows which gradient accumulators its
         graph task will run); if they differ, every rank raises the same error before any
-        collective of the backward."""
-        if not self.check_comms:
-            return
+        collective of the backward. It is the entry check of the backward's guarded call."""
         reached = [
             _label(unit) + (f" (FlatParameter {h.attr_name})" if len(unit.handles) > 1 else "")
             for unit in self.units
             for h in unit.handles
             if _will_accumulate(h)
         ]
-        for comm in self.check_comms:
-            if self._agree(comm, fingerprint("\n".join(reached))):
-                continue
-            everyone = all_gather_object((_BACKWARD, reached), comm.group)
-            raise RuntimeError(f"[rank {comm.rank}] {_backward_difference(everyone)}")
-
-    def _agree(self, comm: Any, digest: int) -> bool:
-        """Whether every rank of ``comm`` passed ``digest``. While every collective is checked
-        (``checking``), through the same one-integer all-gather as those checks, which a rank at
-        another check then pairs with (and is named by); else ``Communicator.agree``, whose cost
-        does not grow with the world size."""
-        device = check_device(comm, self.root.device)
-        if not self.checking:
-            return bool(comm.agree(digest, device))
-        values = comm.gather_ints(digest, device)
-        if all(v == values[0] for v in values):
-            return True
-        if any(v < token(END_OF_BACKWARD + 1) for v in values):  # some rank is at a per-collective check (a token)
-            problem = mismatch(values, [_label(u) for u in self.units])
-            raise RuntimeError(f"[rank {comm.rank}] the ranks ran different units ({_RULE}): {problem}")
-        return False
+        self.guard.enter_at(_BACKWARD, reached, explain=_backward_difference)
 
 
-# What the ranks exchange to explain a failed check: its kind first (a rank at another check
-# than ours shows up with another kind), then what the check compared.
+# Where a rank is at each check (a rank at another check than ours shows up with another).
 _FORWARD, _BACKWARD = "at the end of its forward", "at the start of its backward"
-_RULE = "every rank must run the same units in the same order, e.g. no data-dependent skipping"
+RULE = "every rank must run the same units in the same order, e.g. no data-dependent skipping"
+_PER_COLLECTIVE = "(a per-collective check)"  # what such a check compares: the rest is its kind
 
 
-def _mixed_checks(everyone: List[Any]) -> str:
-    """The ranks' positions, where they were not all at the same kind of check."""
-    return "; ".join(f"rank {r} is {entry[0]}" for r, entry in enumerate(everyone))
+def _units_differ(everyone: List[Position]) -> str:
+    """Ranks at different per-collective checks, or one at such a check and one elsewhere."""
+    return f"the ranks ran different units ({RULE}): " + "; ".join(f"rank {r} is {kind}" for r, (kind, *_) in enumerate(everyone))
 
 
-def _forward_difference(everyone: List[Any]) -> str:
-    if any(entry[0] != _FORWARD for entry in everyone):
-        return f"the ranks ran different units ({_RULE}): {_mixed_checks(everyone)}"
-    ran_lists = [names for _, names, _ in everyone]
+def _elsewhere(everyone: List[Position]) -> Optional[str]:
+    """For a check some rank is not at: the units differ if a rank is at a per-collective
+    check; else ``None`` (the guard names where each rank is)."""
+    return _units_differ(everyone) if any(items == [_PER_COLLECTIVE] for _, _, items, *_ in everyone) else None
+
+
+def _forward_difference(everyone: List[Position]) -> Optional[str]:
+    if len({kind for kind, *_ in everyone}) > 1:
+        return _elsewhere(everyone)
+    ran_lists = [items[:-1] for _, _, items, *_ in everyone]
+    steps = [items[-1].split(": ", 1)[-1] for _, _, items, *_ in everyone]
     if all(names == ran_lists[0] for names in ran_lists):  # see [Note: steps agree]
-        counts = "; ".join(f"rank {r}: {steps}" for r, (_, _, steps) in enumerate(everyone))
+        counts = "; ".join(f"rank {r}: {n}" for r, n in enumerate(steps))
         return (
             f"the ranks called optimizer.step() on this model a different number of times before this "
             f"forward ({counts}): a rank that steps alone, or skips a step the others take, trains a "
@@ -121,13 +102,13 @@ def _forward_difference(everyone: List[Any]) -> str:
         )
     first = min(d.index for d in differences(ran_lists, "nothing"))  # where any rank differs
     ran = "; ".join(f"rank {r} ran {item_at(names, first, 'nothing')}" for r, names in enumerate(ran_lists))
-    return f"the ranks ran different units ({_RULE}): unit #{first} of this forward differs: {ran}"
+    return f"the ranks ran different units ({RULE}): unit #{first} of this forward differs: {ran}"
 
 
-def _backward_difference(everyone: List[Any]) -> str:
-    if any(entry[0] != _BACKWARD for entry in everyone):
-        return f"the ranks ran different units ({_RULE}): {_mixed_checks(everyone)}"
-    per_rank = [reached for _, reached in everyone]
+def _backward_difference(everyone: List[Position]) -> Optional[str]:
+    if len({kind for kind, *_ in everyone}) > 1:
+        return _elsewhere(everyone)
+    per_rank = [reached for _, _, reached, *_ in everyone]
     union = sorted(set().union(*per_rank))
     lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(per_rank)]
     return (

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 
 from .._base._common import TrainingState
-from ._runtime import lazy_init, start_forward
+from ._runtime import start_forward
 from ._unit import Unit
 
 
@@ -56,12 +56,10 @@ def generate_gathered(unit: Unit, method: Callable[..., Any], args: Tuple[Any, .
     if several and kwargs.get("synced_gpus") is None:
         kwargs = dict(kwargs, synced_gpus=True)
     with torch.no_grad():
-        if several and kwargs.get("synced_gpus") is False:
-            lazy_init(unit).checking = True
-        step = start_forward(unit, (), {})
+        step = start_forward(unit, (), {}, check_every_collective=several and kwargs.get("synced_gpus") is False)
         try:
             output = method(*args, **kwargs)
-        except BaseException:
-            step.runtime.abandon_forward(step)
+        except BaseException as error:
+            step.runtime.abandon_forward(step, error)
             raise
         return step.runtime.finish_forward(step, output)

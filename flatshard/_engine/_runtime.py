@@ -41,13 +41,13 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._agreement import AgreementChecks
 from .._base._compile import dynamo_loaded, outside_graph
-from .._comm._collectives import backend_of, default_store, global_rank, timeout_of
-from .._comm._peer_failures import StepWatch, make_watch
+from .._comm._collectives import timeout_of
+from .._comm._guard import Guard
 from .._base._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
 from .._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
 from .._flat._saved import SavedParamGuard
 from .._comm._shared_memory import SharedMemoryChannel
-from ._unit import BackwardState, RootContext, Unit, check_same_units, root_of
+from ._unit import BackwardState, RootContext, Unit, bind_units, check_same_units, root_guard, root_of
 from ..api import BackwardPrefetch, ShardingStrategy
 from .._flat._flat_param import FlatParamHandle
 
@@ -84,41 +84,12 @@ def lazy_init(unit: Unit) -> "RootRuntime":
     for member in runtime.units:
         member.bind(runtime)
         runtime.hook_new_trainables(member)
-    _share_memory(runtime.units)
-    _watch_peers(runtime)
+    _share_memory(runtime.units, runtime.guard)
+    bind_units(runtime.guard, runtime.units)  # (again: the channels just made)
     return runtime
 
 
-def _new_watch(root: Unit) -> Optional[StepWatch]:
-    """The root's ``StepWatch`` over the ranks of its groups; none on the fake backend (no
-    peers to watch) or alone."""
-    comms = [c for c in (root.comm, root.replicate) if c is not None]
-    if any("fake" in backend_of(c.group) for c in comms):
-        return None
-    ranks = sorted({r for c in comms for r in c.global_ranks()})
-    me = global_rank()
-    return make_watch(default_store(), me, [r for r in ranks if r != me], timeout_of(root.comm.group))
-
-
-def _watch_peers(runtime: "RootRuntime") -> None:
-    """Give every communicator of the root (and its shared-memory channels) the root's
-    ``StepWatch``: [Note: peer failures] in ``_peer_failures``."""
-    watch = runtime.watch
-    if watch is None:
-        return
-    for unit in runtime.units:
-        label = _where(unit)
-        comms = [c for c in (unit.comm, unit.replicate, *(h.comm for h in unit.handles), *(h.replicate for h in unit.handles)) if c is not None]
-        for comm in comms:
-            comm.watch, comm.label = watch, label
-            if comm.channel is not None:
-                comm.channel.watch = watch
-    for comm in runtime.check_comms:
-        comm.watch = watch
-        comm.label = comm.label or "the root's agreement checks"
-
-
-def _share_memory(units: Sequence[Unit]) -> None:
+def _share_memory(units: Sequence[Unit], guard: Guard) -> None:
     """Give the sharded handles of two ranks on gloo one shared-memory channel per process
     group (whether it is used is settled at its first exchange): [Note: shared-memory
     exchange] in ``_shared_memory``."""
@@ -133,7 +104,7 @@ def _share_memory(units: Sequence[Unit]) -> None:
     for labelled in by_group.values():
         group = labelled[0][0].comm.group
         largest = max(h.shard_numel * max(4, h.flat_param.element_size()) for h, _ in labelled)
-        channel = SharedMemoryChannel(group, largest, timeout_of(group))
+        channel = SharedMemoryChannel(labelled[0][0].comm.sibling(group), largest, timeout_of(group))
         for handle, label in labelled:
             handle.comm.use_channel(channel, label)
 
@@ -173,23 +144,52 @@ def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwar
     return finish(step, output)
 
 
-def start_forward(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "UnitForward":
-    return lazy_init(unit).start_forward(unit, args, kwargs)
+def start_forward(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], check_every_collective: bool = False) -> "UnitForward":
+    """[Note: a forward is a guarded call] A root's forward (and a nested unit's forward run
+    outside its root's, and ``generate``) is a call of the root's guard ([Note: one guarded
+    path] in ``_comm/_guard``): a backward that raised is settled first (its record is written
+    before the call counts), then the call's entry check runs at once -- before the runtime is
+    made, before stale gathers are refreshed -- so a rank that skipped the backward the others
+    are in, or a call they made, or whose optimizer step failed, meets them in a check rather
+    than in a gather. The order check at the end of the root's forward is the call's exit check.
+    ``check_every_collective``: precede every collective of this forward by an order check
+    (an unsynced ``generate``)."""
+    guard = root_guard(unit)
+    if not _in_backward():
+        settle(root_of(unit).ctx)  # (closes the call of a backward that raised)
+    owner = not _in_backward() and guard.depth == 0
+    if owner:
+        if unit.is_root and guard.watch is not None:
+            guard.watch.begin_step()
+        guard.open(f"the forward of {_where(unit)}", exit_check=not unit.is_root)
+    try:
+        runtime = lazy_init(unit)
+        if check_every_collective:
+            runtime.checking = True
+        if owner:
+            runtime.check_forward_entry()
+        return runtime.start_forward(unit, args, kwargs, owner)
+    except BaseException as error:
+        if owner and guard.depth:
+            guard.close(error, f"the forward of {_where(unit)}")
+        raise
 
 
 class UnitForward:
     """One unit's forward in progress: its (cast) inputs, the dtype its outputs go back to,
-    and the saved-tensor guard installed around the wrapped module."""
+    the saved-tensor guard installed around the wrapped module, and whether it is the guarded
+    call ([Note: a forward is a guarded call]) or part of one."""
 
-    __slots__ = ("runtime", "unit", "args", "kwargs", "input_dtype", "saved")
+    __slots__ = ("runtime", "unit", "args", "kwargs", "input_dtype", "saved", "owns_call")
 
-    def __init__(self, runtime: "RootRuntime", unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], input_dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, runtime: "RootRuntime", unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], input_dtype: Optional[torch.dtype], owns_call: bool) -> None:
         self.runtime = runtime
         self.unit = unit
         self.args = args
         self.kwargs = kwargs
         self.input_dtype = input_dtype
         self.saved = contextlib.ExitStack()
+        self.owns_call = owns_call
 
 
 def settle(ctx: Optional[RootContext]) -> None:
@@ -211,7 +211,9 @@ def before_step(ctx: Optional[RootContext]) -> None:
     """Before an optimizer steps the model: refuse a step inside ``no_sync()`` after a backward
     there (the gradients the parameters show are each rank's own, see [Note: no_sync and
     zero_grad] in ``_handle_grads``); else take what was written through the views of units a
-    forward left gathered (``RootRuntime.take_user_writes``) and ``reduce_held``."""
+    forward left gathered (``RootRuntime.take_user_writes``) and ``reduce_held`` (a guarded
+    call where there is anything to average). The step counts from here, and is under way until
+    ``after_step`` ([Note: a failed optimizer step])."""
     if isinstance(ctx, RootRuntime) and not _in_backward():
         ctx.settle()
         for unit in ctx.units:
@@ -222,8 +224,17 @@ def before_step(ctx: Optional[RootContext]) -> None:
                     f"synchronised backward that averages them"
                 )
         ctx.take_user_writes()
-        ctx.reduce_held()
+        if any(h.holds_no_sync_grad() for unit in ctx.units for h in unit.handles):
+            with ctx.guard.call("optimizer.step() (averaging the gradients no_sync() left)"):
+                ctx.reduce_held()
         ctx.optimizer_steps += 1
+        ctx.stepping += 1
+
+
+def after_step(ctx: Optional[RootContext]) -> None:
+    """After an optimizer stepped the model: the step ``before_step`` counted completed."""
+    if isinstance(ctx, RootRuntime) and ctx.stepping:
+        ctx.stepping -= 1
 
 
 @contextlib.contextmanager
@@ -268,8 +279,14 @@ class RootRuntime(AgreementChecks, RootContext):
         super().__init__(root)
         self.saved_guard = SavedParamGuard(self.freeable, functools.partial(_gather_saved, weakref.ref(self)))
         self._make_hooks()
-        self.watch = _new_watch(root)
+        self.watch = self.guard.watch
         self.optimizer_steps = 0  # optimizer.step() calls on this model (see [Note: steps agree])
+        # Steps counted by ``before_step`` that ``after_step`` has not seen complete: one left
+        # at the next call is a step that raised ([Note: a failed optimizer step]).
+        self.stepping = 0
+        # Whether the running backward is the guarded call it opened ([Note: a forward is a
+        # guarded call]; a backward inside a forward is part of that forward's call).
+        self.backward_owns_call = False
 
     def _make_hooks(self) -> None:
         """The callables registered with autograd, made once: opaque to dynamo if it is loaded
@@ -295,15 +312,16 @@ class RootRuntime(AgreementChecks, RootContext):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def start_forward(self, unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "UnitForward":
+    def start_forward(self, unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], owns_call: bool = False) -> "UnitForward":
         """The wrapper's forward up to running the wrapped module: gather, put the views on the
-        modules, install the saved-tensor guard. Leaves nothing half done if it raises."""
+        modules, install the saved-tensor guard. Leaves nothing half done if it raises.
+        ``owns_call``: this forward is the guarded call ([Note: a forward is a guarded call])."""
         if unit.is_root:
             self._root_pre_forward()
             if unit.device.type != "cpu":
                 args, kwargs = map_tensors(lambda t: t.to(unit.device, non_blocking=True), (args, kwargs))
         args, kwargs, input_dtype = _cast_inputs(unit, args, kwargs)
-        step = UnitForward(self, unit, args, kwargs, input_dtype)
+        step = UnitForward(self, unit, args, kwargs, input_dtype, owns_call)
         try:
             self._pre_forward(unit, (args, kwargs))
             step.saved.enter_context(self._guard_saved())
@@ -324,6 +342,8 @@ class RootRuntime(AgreementChecks, RootContext):
         self._post_forward(unit, output)
         if unit.is_root:
             self._root_post_forward()
+        if step.owns_call:
+            self.guard.close(None, f"the forward of {_where(unit)}")
         return output
 
     def abandon_forward(self, step: "UnitForward", error: Optional[BaseException] = None) -> None:
@@ -334,14 +354,17 @@ class RootRuntime(AgreementChecks, RootContext):
         units that finished are garbage and their hooks never fire. Every rank must raise alike
         (the forward's collectives stop there); a rank that raises alone tells the others,
         which would wait for it (see [Note: peer failures] in ``_peer_failures``)."""
-        if self.watch is not None and error is not None:
-            self.watch.leave(f"the forward of {_where(step.unit)}", error)
+        where = f"the forward of {_where(step.unit)} of step {self.watch.step if self.watch is not None else 0}"
+        if self.watch is not None and error is not None and self.guard.depth:
+            self.watch.leave(where, error)  # (the innermost unit names it; the call's own record is the same)
         self.checking = self.every_collective_checked  # (an unsynced generate that raised)
         step.saved.close()
         for handle in step.unit.handles:
             handle.end_forward()
         if step.unit.training_state is _FORWARD:
             step.unit.move((_FORWARD,), _IDLE)
+        if step.owns_call:
+            self.guard.close(error or RuntimeError("the forward was abandoned"), where)
 
     def _guard_saved(self) -> Any:
         """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
@@ -354,8 +377,6 @@ class RootRuntime(AgreementChecks, RootContext):
         if _in_backward():
             return
         self.settle()
-        if self.watch is not None:
-            self.watch.begin_step()
         if not self.hooks_outside_graph and dynamo_loaded():
             self._hook_trainables_again()
         self.gathered_in_forward.clear()
@@ -364,9 +385,34 @@ class RootRuntime(AgreementChecks, RootContext):
 
     def settle(self) -> None:
         """If the last backward raised (autograd never ran its end-of-backward callback),
-        clean up now: outside a backward, a queued callback means exactly that."""
+        clean up now: outside a backward, a queued callback means exactly that. If the last
+        optimizer step raised, carry that into every later call of the guard.
+
+        [Note: a failed optimizer step] An optimizer step that raises on one rank (in a step
+        pre-hook, or partway through ``step()``, say out of memory after some parameters were
+        updated), caught there, leaves that rank's shards or optimizer state different from the
+        others': no collective would tell, and the ranks would train different models from then
+        on (FSDP1 does). flatshard's step pre-hook counts the step and its post-hook, which
+        torch runs only after a step that returned, marks it complete; a step still under way
+        at the next call is one that raised. The rank carries it into the entry check of every
+        later call ([Note: one guarded path] in ``_comm/_guard``), so every rank raises there,
+        naming it, until a state dict is loaded into the model (which restores the parameters;
+        load the optimizer's state from the same checkpoint too)."""
         if self.backward_state is BackwardState.CALLBACK_QUEUED and not _in_backward():
             self.finalize_backward(failed=True)
+        if self.stepping:
+            self.stepping = 0
+            self.guard.carried = (
+                f"rank {self.root.rank} failed an optimizer step on this model (optimizer.step() raised after "
+                f"flatshard's step pre-hook ran, before the step completed): its parameters or optimizer state "
+                f"may differ from the other ranks' from then on, so the ranks cannot go on together; load the "
+                f"model's and the optimizer's state from a checkpoint on every rank"
+            )
+
+    def check_forward_entry(self) -> None:
+        """The entry check of a forward that is a guarded call ([Note: a forward is a guarded call])."""
+        self.guard.enter_at("at the start of its forward", [])
+
 
     def _refresh_stale(self) -> None:
         """Gather again every unit still gathered from an earlier forward whose backward never
@@ -652,6 +698,9 @@ class RootRuntime(AgreementChecks, RootContext):
         if self.backward_state is BackwardState.IDLE:
             self.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
             Variable._execution_engine.queue_callback(self.on_backward_end)
+            step = self.watch.step if self.watch is not None else 0
+            # (no exit check: a rank whose backward raised is heard at the next call)
+            self.backward_owns_call = self.guard.open(f"the backward of step {step}", exit_check=False)
             self._check_backward_agrees()
 
     def finalize_backward(self, failed: bool = False) -> None:
@@ -659,8 +708,10 @@ class RootRuntime(AgreementChecks, RootContext):
         backward that raised): complete the reductions (a failed backward's are completed but
         their results dropped: nothing of it may reach a gradient later), reduce what
         ``no_sync`` left in units this backward did not reach, free all, reset to IDLE."""
-        if failed and self.watch is not None:
-            self.watch.leave_with(f"rank {self.watch.rank}'s backward of step {self.watch.step} raised (it never reached its end)")
+        if failed and self.backward_owns_call:
+            self.backward_owns_call = False
+            step = self.watch.step if self.watch is not None else 0
+            self.guard.abandon(f"rank {self.root.rank}'s backward of step {step} raised (it never reached its end)")
         for unit, handle in self.reducing:
             if failed:
                 handle.discard_reduction()
@@ -681,6 +732,9 @@ class RootRuntime(AgreementChecks, RootContext):
         self.prefetched.clear()
         self.exec_order.end_iteration()
         self.move((BackwardState.CALLBACK_QUEUED,), BackwardState.IDLE)
+        if self.backward_owns_call:
+            self.backward_owns_call = False
+            self.guard.close(None, "the backward")
 
     def take_user_writes(self) -> None:
         """Before an optimizer step: what was written through the views of units left gathered

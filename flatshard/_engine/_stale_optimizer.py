@@ -57,11 +57,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .._base._common import join_name
-from ._runtime import before_step
+from ._runtime import after_step, before_step
 from ._unit import Unit
 
 __all__ = ["StaleOptimizerCheck", "watch_stale_optimizers"]
@@ -100,7 +100,9 @@ class StaleOptimizerCheck:
         self._model_class = type(getattr(wrapper, "module", wrapper)).__name__
         self._seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Seen]" = weakref.WeakKeyDictionary()
         self._handle = register_optimizer_step_pre_hook(self._before_step)
-        self._finalizer = weakref.finalize(wrapper, _remove_when_safe, self._handle)
+        # (the step completed: see [Note: a failed optimizer step] in ``_runtime``)
+        self._post_handle = register_optimizer_step_post_hook(self._after_step)
+        self._finalizer = weakref.finalize(wrapper, _remove_all_when_safe, (self._handle, self._post_handle))
         self._finalizer.atexit = False
         # Whether the warning of [Note: weight decay chosen by p.dim()] was given.
         self._warned_decay = False
@@ -112,7 +114,7 @@ class StaleOptimizerCheck:
     def retire(self) -> None:
         """Stop checking (an outer wrapper's check covers this unit now)."""
         self._finalizer.detach()
-        _remove_when_safe(self._handle)
+        _remove_all_when_safe((self._handle, self._post_handle))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         unit = self._unit()
@@ -133,6 +135,13 @@ class StaleOptimizerCheck:
                     warnings.warn(problem, UserWarning, stacklevel=3)
         if seen[2] and unit.ctx is not None:
             before_step(unit.ctx)  # see [Note: no_sync gradients at the step]
+        return None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        unit = self._unit()
+        seen = self._seen.get(optimizer)
+        if unit is not None and seen is not None and seen[2] and unit.ctx is not None:
+            after_step(unit.ctx)
         return None
 
 
@@ -233,6 +242,11 @@ def _message(optimizer: torch.optim.Optimizer, stale: List[str], model_class: st
         f"FlatParameter and left it empty (0 elements), so this optimizer would train nothing. Create the "
         f"optimizer after wrapping, from the wrapped model's parameters: {kind}(model.parameters(), ...)"
     )
+
+
+def _remove_all_when_safe(handles: Tuple[RemovableHandle, ...]) -> None:
+    for handle in handles:
+        _remove_when_safe(handle)
 
 
 def _remove_when_safe(handle: RemovableHandle) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._comm._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
+from .._comm._guard import Guard, make_guard
 from .._base._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from .._base._errors import DivergedRanksError
 from .._flat._exec_order import ExecOrder
@@ -89,10 +90,14 @@ class Unit:
         replicate_group: Optional[ProcessGroup] = None,
         cast_buffers: Sequence[Tuple[Any, str, torch.dtype]] = (),
         device_mesh: Optional[Any] = None,
+        guard: Optional[Guard] = None,
     ) -> None:
         self.handles = list(handles)
         self.config = config
-        self.comm = Communicator(group)
+        # The guard of this unit's calls while it is a root ([Note: one guarded path] in
+        # ``_guard``): the one its constructor ran in, or made at its first call (``root_guard``).
+        self.guard = guard
+        self.comm = Communicator(group, guard)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
         self.device = device
@@ -120,7 +125,7 @@ class Unit:
         self._device_mesh = device_mesh
         self._made_mesh: Optional[Callable[[], Any]] = None
         # Hybrid sharding: the ranks holding the same shards as this one (gradients averaged).
-        self.replicate = Communicator(replicate_group) if replicate_group is not None else None
+        self.replicate = Communicator(replicate_group, guard) if replicate_group is not None else None
         # Buffers cast to MixedPrecision.buffer_dtype: (module, name, original dtype), for
         # state dicts, which give them in their original dtype.
         self.cast_buffers: List[Tuple[Any, str, torch.dtype]] = list(cast_buffers)
@@ -136,7 +141,7 @@ class Unit:
         groups and mesh; no runtime, hooks or tracer until its root's first forward."""
         if self.training_state is not TrainingState.IDLE:
             raise AssertionError(f"{self.where()}: copied while {self.training_state.name}")
-        fresh = {"ctx": None, "grad_hooks": {}, "pending": set(), "open_input_hooks": 0, "tracer": None, "state_dict_route": None}
+        fresh = {"ctx": None, "guard": None, "grad_hooks": {}, "pending": set(), "open_input_hooks": 0, "tracer": None, "state_dict_route": None}
         shared = {"_device_mesh": self._device_mesh, "_made_mesh": self._made_mesh}
         return copy_fields(self, memo, {**fresh, **shared})
 
@@ -213,6 +218,7 @@ class Unit:
             if unit.parent is None:
                 unit.parent = self
             unit.bind(None)
+            unit.guard = None  # (its root's guard guards it from now on)
             unit.name = name
             for handle in unit.handles:
                 handle.set_name_prefix(name)
@@ -234,10 +240,12 @@ class RootContext:
         self.units = units
         self.index = {unit: i for i, unit in enumerate(units)}
         self.comm = root.comm
+        self.guard = root_guard(root)
         # The groups order checks run over: the root's, and under hybrid sharding its
         # replicas' too (together they connect every rank that exchanges data with another).
         # They gather CPU tensors: see [Note: agreement checks on the host].
         self.check_comms = [host_check_comm(c) for c in (self.comm, root.replicate) if c is not None and c.world_size > 1]
+        self.guard.use_checks(self.check_comms)
         # Which unit and handle own each full flat tensor that can be freed, by storage (see
         # [Note: saved parameters] in _saved).
         self.freeable: Dict[int, Tuple[Unit, FlatParamHandle]] = {
@@ -256,6 +264,16 @@ class RootContext:
         # under TORCH_DISTRIBUTED_DEBUG=DETAIL always, else only while generating unsynced.
         self.every_collective_checked = dist.get_debug_level() == dist.DebugLevel.DETAIL
         self.checking = self.every_collective_checked
+
+    @property
+    def checking(self) -> bool:
+        """Whether every collective is preceded by an order check now (the guard's agreements
+        then pair with those checks)."""
+        return self.guard.checking
+
+    @checking.setter
+    def checking(self, value: bool) -> None:
+        self.guard.checking = value
 
     def move(self, allowed_from: Sequence[BackwardState], target: BackwardState) -> None:
         self.backward_state = guard_transition(self.backward_state, allowed_from, target, self.root.where())
@@ -283,6 +301,26 @@ def root_of(unit: Unit) -> Unit:
     return unit
 
 
+def root_guard(unit: Unit) -> Guard:
+    """The guard of ``unit``'s root ([Note: one guarded path] in ``_guard``): the one its
+    constructor ran in, else (a deep copy) one made now, over the root's groups. Every
+    communicator of the tree is bound to it."""
+    root = root_of(unit)
+    if root.guard is None:
+        root.guard = make_guard([root.comm, root.replicate], root.device)
+        bind_units(root.guard, root.members())
+    return root.guard
+
+
+def bind_units(guard: Guard, units: Sequence[Unit]) -> None:
+    """Guard every communicator of ``units`` (their own, their handles', replicas included)
+    by ``guard``, each labelled with its unit for messages."""
+    for unit in units:
+        label = f"unit {display_name(unit.name)}" if unit.name else "the root unit"
+        for comm in (unit.comm, unit.replicate, *(c for h in unit.handles for c in (h.comm, h.replicate))):
+            guard.bind(comm, label)
+
+
 def _describe(unit: Unit) -> str:
     layout = " + ".join(h.describe() for h in unit.handles) or "no parameters"
     return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
@@ -291,15 +329,14 @@ def _describe(unit: Unit) -> str:
 def check_same_units(root: Unit) -> None:
     """Raise on every rank unless every rank built the same units with the same options
     under ``root`` (one small collective; hybrid: also across the replicas)."""
-    _check_same_debug_level(root)
     descriptions = [_describe(unit) for unit in root.members()]
     replicas = root.replicate_group
-    if replicas is not None and not all_ranks_agree("\n".join(descriptions), replicas, root.device):
+    if replicas is not None and not all_ranks_agree("\n".join(descriptions), root.replicate, root.device):  # type: ignore[arg-type]
         raise DivergedRanksError(
             f"[rank {root.rank}] the replicas of a hybrid-sharded model wrapped different models (every rank "
             f"must build the same units with the same parameters, shapes, dtypes and options)"
         )
-    per_rank = gather_if_different(descriptions, Communicator(root.group), root.device)
+    per_rank = gather_if_different(descriptions, root.comm, root.device)
     if per_rank is None:
         return
     found = differences(per_rank, "(no such unit)")
@@ -318,19 +355,6 @@ def check_same_units(root: Unit) -> None:
         f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
         f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines) + hint
     )
-
-
-def _check_same_debug_level(root: Unit) -> None:
-    """Ranks that check every collective (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, [Note: order
-    check]) and ranks that do not would pair one's checks with the other's gathers."""
-    level = "DETAIL" if dist.get_debug_level() == dist.DebugLevel.DETAIL else "not DETAIL"
-    per_rank = gather_if_different([level], Communicator(root.group), root.device)
-    if per_rank is not None:
-        levels = "; ".join(f"rank {r}: {theirs[0]}" for r, theirs in enumerate(per_rank))
-        raise DivergedRanksError(
-            f"[rank {root.rank}] the ranks' TORCH_DISTRIBUTED_DEBUG levels differ ({levels}): under DETAIL "
-            f"every collective is checked, which only works when every rank checks; set it alike on every rank"
-        )
 
 
 def _unnamed(description: str) -> str:

@@ -79,21 +79,21 @@ class ExecOrder(Generic[_U]):
 # [Note: order check] Ranks must issue the same collectives in the same order; if one rank
 # runs a different unit (data-dependent control flow), the collectives pair the wrong units
 # silently when their sizes match, make gloo abort the process when they do not (torch's
-# gloo enforces message sizes with an abort), or wait forever. Every root forward therefore
-# ends with one check that all ranks ran the same units in the same order (a digest of the
+# gloo enforces message sizes with an abort), or wait forever. Every root forward is a guarded
+# call ([Note: one guarded path] in ``_comm/_guard``): it starts with the call's entry check
+# and ends with one check that all ranks ran the same units in the same order (a digest of the
 # order and of the optimizer steps taken, compared by ``Communicator.agree``: one collective
-# whose cost does not grow with the world size), and every backward starts with one that
-# the same units will receive gradients ([Note: backward agreement] in ``_agreement``); only
-# when a digest differs do the ranks exchange their lists, to name the first unit that
+# whose cost does not grow with the world size), and every backward starts with one that the
+# same units will receive gradients ([Note: backward agreement] in ``_agreement``); only when
+# a digest differs do the ranks exchange their positions, to name the first unit that
 # differs. Ranks that built different units never get this far: the root's first forward
 # compares the units themselves (``check_same_units``). Under
 # ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (and while ranks generate without ``synced_gpus``) the
-# runtime is ``checking``: every collective of a unit is then preceded by one small
-# all-gather of a token naming it, every backward ends with one, and the per-iteration
-# checks gather the ranks' digests the same way, so mismatched checks still pair up: every
-# rank sees every rank's value and raises the same error, naming what each rank was doing
-# before any mismatched collective can abort or hang. Tokens below 2**40 name a unit;
-# anything above is a digest.
+# runtime is ``checking``: every collective of a unit is then preceded by one position check
+# naming it (``describe`` of its ``token``), every backward ends with one, and since every
+# check of the guard is the same kind of agreement, mismatched checks still pair up: every
+# rank learns where every rank is and raises, naming what each rank was doing, before any
+# mismatched collective can abort or hang.
 
 GATHER, REDUCE, END_OF_BACKWARD = 1, 2, 3
 _KIND_SCALE = 1 << 32
@@ -115,8 +115,3 @@ def describe(value: int, names: List[str]) -> str:
     return "at the end of its forward"
 
 
-def mismatch(values: List[int], names: List[str]) -> Optional[str]:
-    """``None`` if all ranks' values agree, else a description of each rank's position."""
-    if all(v == values[0] for v in values):
-        return None
-    return "; ".join(f"rank {r} is {describe(v, names)}" for r, v in enumerate(values))

@@ -89,6 +89,8 @@ class FlatParamHandle(HandleGrads):
         use_orig_params: keep the original parameters registered, as views of the shard (see
             [Note: original parameters] in ``_orig_params``); the ``FlatParameter`` is then
             not registered on ``owner`` (the optimizer steps the originals).
+        guard: the ``Guard`` whose calls its collectives belong to (the constructor's; its
+            root's binds it again).
     """
 
     def __init__(
@@ -104,11 +106,12 @@ class FlatParamHandle(HandleGrads):
         offload: bool = False,
         precision: Optional["Precision"] = None,
         use_orig_params: bool = False,
+        guard: Optional[Any] = None,
     ) -> None:
         if not params:
             raise AssertionError("a FlatParamHandle needs at least one parameter")
-        self.comm = Communicator(group)
-        self.replicate = Communicator(replicate_group) if replicate_group is not None else None
+        self.comm = Communicator(group, guard)
+        self.replicate = Communicator(replicate_group, guard) if replicate_group is not None else None
         # Shards on the CPU while computing elsewhere; on a CPU device there is nothing to move.
         self.offload = offload and device.type != "cpu"
         # A user's gradient reduction (register_comm_hook): (hook, state).

@@ -140,6 +140,8 @@ class HandleGrads:
         """Average ``grad`` (full, in the reduce dtype) over the ranks: (the collective in
         flight, the tensor receiving this rank's part -- all of it when not sharded)."""
         hook = self._comm_hook
+        if hook is not None:
+            _guard_hook_state(hook[1], self.comm)
         if not self.sharded:
             if hook is not None:
                 hook[0](hook[1], grad)
@@ -403,3 +405,13 @@ class _Reduction:
     def is_placeholder(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the untouched placeholder."""
         return self.placeholder is not None and grad is self.placeholder[0] and grad._version == self.placeholder[1]
+
+
+def _guard_hook_state(state: Any, comm: Communicator) -> None:
+    """A communication hook's collectives belong to the call of the model that runs it (a deep
+    copy shares the hook and its state): flatshard's own hook states reduce through a
+    ``Communicator``, bound here to the guard of ``comm``, this handle's ([Note: one guarded
+    path] in ``_comm/_guard``)."""
+    theirs = getattr(state, "comm", None)
+    if isinstance(theirs, Communicator) and theirs.guard is not comm.guard:
+        theirs.guard = comm.guard
