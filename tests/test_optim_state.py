@@ -19,7 +19,7 @@ from expecttest import TestCase
 from flatshard._comm._collectives import broadcast_object
 from flatshard import FullStateDictConfig, ModuleWrapPolicy, OptimStateKeyType, ShardedDataParallel, StateDictType
 from tests._memory import track_allocations
-from tests._models import Block, batch, build, guarded_comm, lm_loss, step_on_global_batch
+from tests._models import Block, batch, build, error_text, guarded_comm, lm_loss, step_on_global_batch
 
 GLOBAL_ROWS = 12
 OPTIMIZERS = {
@@ -199,15 +199,19 @@ def _errors(rank, world_size):
         osd["state"]["blocks.0.fc1.bias"] = {"step": osd["state"]["blocks.0.fc1.bias"]["step"], "momentum_buffer": torch.zeros(16)}
         return osd
 
-    def steps(osd):  # step counts may differ (a parameter without gradients counts fewer)
+    def steps(osd):  # one step count per FlatParameter
         osd["state"]["blocks.2.norm.weight"]["step"] = torch.tensor(5.0)
+        return osd
+
+    def step_dtype(osd):  # the same count, another dtype
+        osd["state"]["blocks.2.fc2.bias"]["step"] = osd["state"]["blocks.2.fc2.bias"]["step"].double()
         return osd
 
     def group_count(osd):
         osd["param_groups"] = osd["param_groups"][:1]
         return osd
 
-    for make in (unknown, missing, shape, names, steps, group_count):
+    for make in (unknown, missing, shape, names, steps, step_dtype, group_count):
         expect(make)
     for call in (
         lambda: ShardedDataParallel.full_optim_state_dict(model, "optim"),
@@ -274,6 +278,85 @@ def _split_group(rank, world_size):
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def _step_skipping(model, optim, step, skipped, rank=None, world_size=1):
+    """``_step``, except that the parameters named in ``skipped`` get no gradient: the
+    optimizer does not step them (a user freezing them for this step)."""
+    tokens, targets = batch(step, 1, per_rank=GLOBAL_ROWS)
+    if rank is not None:
+        mine = GLOBAL_ROWS // world_size
+        tokens, targets = tokens[rank * mine : (rank + 1) * mine], targets[rank * mine : (rank + 1) * mine]
+    lm_loss(model(tokens), targets).backward()
+    for name, param in model.named_parameters():
+        if name.replace("_fsdp_wrapped_module.", "") in skipped:
+            param.grad = None
+    optim.step()
+    optim.zero_grad()
+
+
+def _stepped_apart(rank, world_size, skipped):
+    """A use_orig_params=True model and AdamW after K steps, the parameters ``skipped`` left
+    out of the first: (model, optimizer, full and sharded optimizer state dicts)."""
+    model = _wrapped(orig=True)
+    optim = OPTIMIZERS["AdamW"](_groups(model.named_parameters()))
+    _step_skipping(model, optim, 0, skipped, rank, world_size)
+    for step in range(1, K):
+        _step(model, optim, step, rank, world_size)
+    full = ShardedDataParallel.full_optim_state_dict(model, optim, rank0_only=False)
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = ShardedDataParallel.optim_state_dict(model, optim)
+    return model, optim, full, sharded
+
+
+def _differing_steps_refused(rank, world_size):
+    """AdamW state of a use_orig_params=True model in which 'blocks.0.fc1.weight' missed the
+    first step (step 1, the others of its FlatParameter 2) loads into a model without
+    original parameters -- one optimizer parameter, one step count per FlatParameter -- by
+    none of the three loaders: each raises on every rank."""
+    _, _, full, sharded = _stepped_apart(rank, world_size, {"blocks.0.fc1.weight"})
+    if full["state"]["blocks.0.fc1.weight"]["step"].item() != K - 1 or full["state"]["blocks.0.fc1.bias"]["step"].item() != K:
+        raise AssertionError("the skipped parameter must have counted one step fewer")
+    target = _wrapped(seed=3)
+    target_optim = OPTIMIZERS["AdamW"](_groups(target.named_parameters()))
+    messages = [
+        error_text(lambda: ShardedDataParallel.shard_full_optim_state_dict(full, target, optim=target_optim), ValueError),
+        error_text(lambda: ShardedDataParallel.scatter_full_optim_state_dict(full if rank == 0 else None, target, optim=target_optim), ValueError),
+    ]
+    with ShardedDataParallel.state_dict_type(target, StateDictType.SHARDED_STATE_DICT):
+        messages.append(error_text(lambda: ShardedDataParallel.optim_state_dict_to_load(target, target_optim, sharded), ValueError))
+    if target_optim.state:
+        raise AssertionError("a refused load must leave the optimizer as it was")
+    return messages
+
+
+def _equal_steps_load(rank, world_size):
+    """As above, but block 1 misses the first step as a whole: step counts differ between
+    FlatParameters, not within one. Both forms load into a model without original
+    parameters and continue like single-process training that skipped block 1 the same way."""
+    skipped = {name for name, _ in build(0).named_parameters() if name.startswith("blocks.1.")}
+    source, _, full, sharded = _stepped_apart(rank, world_size, skipped)
+    model_state = source.state_dict()
+    plain = build(0)
+    plain_optim = OPTIMIZERS["AdamW"](_groups(plain.named_parameters()))
+    _step_skipping(plain, plain_optim, 0, skipped)
+    for step in range(1, 2 * K):
+        _step(plain, plain_optim, step)
+    steps = {}
+    for form, osd in (("full", full), ("sharded", sharded)):
+        model = _wrapped(seed=7)
+        optim = OPTIMIZERS["AdamW"](_groups(model.named_parameters()))
+        model.load_state_dict(model_state)
+        if form == "full":
+            optim.load_state_dict(ShardedDataParallel.shard_full_optim_state_dict(osd, model, optim=optim))
+        else:
+            with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, osd))
+        steps[form] = sorted({state["step"].item() for state in optim.state.values()})
+        for step in range(K, 2 * K):
+            _step(model, optim, step, rank, world_size)
+        _assert_params(model, plain, f"{form}, use_orig_params=True -> False")
+    return steps
 
 
 def _fsdp1(seed, orig=False):
@@ -455,6 +538,26 @@ optim_state_dict under StateDictType.LOCAL_STATE_DICT is not supported; use FULL
     def test_originals_of_one_flat_parameter_in_two_saved_groups_are_refused(self):
         self.assertExpectedInline(self.pool.run(_split_group, 1)[0], """param group 1 of the optimizer holds parameters of the state dict's groups 1 and 0 (e.g. 'blocks.0.fc1.weight'); parameters of one FlatParameter or optimizer group must share a group""")
 
+    def test_differing_step_counts_within_one_flat_parameter_are_refused(self):
+        """(FSDP1 refuses the same: one optimizer parameter has one step count.)"""
+        results = self.pool.run(_differing_steps_refused, 2, timeout=120)
+        refusal = (
+            "the original parameters of the FlatParameter of unit 'blocks.0' must have optimizer state "
+            "'step' with the same value and dtype, but 'blocks.0.norm.weight', 'blocks.0.norm.bias', "
+            "'blocks.0.fc1.bias', ... (5 in all) have 2.0 (torch.float32) and 'blocks.0.fc1.weight' has "
+            "1.0 (torch.float32); without use_orig_params the optimizer steps them as one parameter "
+            "(load this state into a model wrapped with use_orig_params=True to keep them apart)"
+        )
+        for rank, messages in enumerate(results):
+            self.assertEqual(
+                messages,
+                [refusal, f"[rank {rank}] scatter_full_optim_state_dict: ValueError: {refusal}", refusal],
+            )
+
+    def test_equal_step_counts_within_each_flat_parameter_load_and_train_on(self):
+        steps = self.pool.run(_equal_steps_load, 2, timeout=120)[0]
+        self.assertEqual(steps, {"full": [K - 1, K], "sharded": [K - 1, K]})
+
     def test_errors_name_the_parameters(self):
         messages = self.pool.run(_errors, 2)[0]
         self.assertExpectedInline("\n".join(messages), """\
@@ -462,7 +565,8 @@ the optimizer state dict has state for parameters the model does not have: 'bloc
 parameter 'blocks.1.fc2.bias' is in the optimizer but in none of the state dict's param groups
 optimizer state 'exp_avg' of parameter 'blocks.0.fc1.bias' has shape (3,); the parameter has shape (16,)
 parameters 'blocks.0.norm.weight' and 'blocks.0.fc1.bias' share a FlatParameter but have different optimizer states: ['exp_avg', 'exp_avg_sq', 'step'] vs ['momentum_buffer', 'step']
-no error
+the original parameters of the FlatParameter of unit 'blocks.2' must have optimizer state 'step' with the same value and dtype, but 'blocks.2.norm.weight' has 5.0 (torch.float32) and 'blocks.2.norm.bias', 'blocks.2.fc1.weight', 'blocks.2.fc1.bias', ... (5 in all) have 1.0 (torch.float32); without use_orig_params the optimizer steps them as one parameter (load this state into a model wrapped with use_orig_params=True to keep them apart)
+the original parameters of the FlatParameter of unit 'blocks.2' must have optimizer state 'step' with the same value and dtype, but 'blocks.2.norm.weight', 'blocks.2.norm.bias', 'blocks.2.fc1.weight', ... (5 in all) have 1.0 (torch.float32) and 'blocks.2.fc2.bias' has 1.0 (torch.float64); without use_orig_params the optimizer steps them as one parameter (load this state into a model wrapped with use_orig_params=True to keep them apart)
 the optimizer has 2 param groups but the state dict has 1
 TypeError: optim must be a torch.optim.Optimizer; got str
 ValueError: shard_full_optim_state_dict: expected an optimizer state dict with 'state' and 'param_groups'; got list

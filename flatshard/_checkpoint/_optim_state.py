@@ -17,9 +17,17 @@ A parameter without state (a plain optimizer creates none until a parameter has 
 is zero-filled when another parameter of its ``FlatParameter`` has state. That is exact for
 optimizers whose initial state is zero (Adam, AdamW, SGD with momentum, ...), which is what
 flat training keeps for a parameter that never had a gradient; for others (Adagrad's
-``initial_accumulator_value``, Rprop's step sizes) it is an approximation. Step counts are
-taken as the largest; parameters of one ``FlatParameter`` must otherwise agree (same state
-names, same scalar values), or flattening raises an error naming them.
+``initial_accumulator_value``, Rprop's step sizes) it is an approximation. Parameters of one
+``FlatParameter`` must have the same state names, and scalar state -- the optimizer
+parameter's, one value for the whole ``FlatParameter`` -- equal in value and dtype, or
+flattening raises an error naming them and their values, as FSDP1 does. That refuses state
+stepped apart: with ``use_orig_params`` a parameter frozen for some steps, or added to the
+optimizer later, counts fewer steps than the others of its ``FlatParameter``, and no one count
+is right for all of them (a model with ``use_orig_params`` loads it, per parameter). A
+parameter never stepped (step counts of 0: a template, see [Note: optimizer state templates],
+or Adagrad's state as built) takes the scalar state of those that were, like a parameter
+without state; FSDP1 refuses both, flatshard keeps them loadable (a plain model's unused
+parameter, a sharded dict's template entry) with the exactness said above.
 
 [Note: optimizer state of original parameters] With ``use_orig_params`` the optimizer steps
 the original parameters, each a piece of a shard, so its state is already per parameter:
@@ -28,7 +36,7 @@ state, scalar state is the parameter's own. Unflattening assembles the pieces of
 into one shard-shaped tensor per state name and gathers that (one collective per handle and
 name, as in the flat case); flattening gives each parameter the piece of the saved value its
 range of the shard holds. No state is shared between parameters, so nothing is zero-filled
-or taken as the largest.
+and step counts may differ.
 """
 
 from __future__ import annotations
@@ -433,9 +441,12 @@ def _check_names(index: OptimStateIndex, osd: Mapping[str, Any]) -> Dict[str, in
     return group_of
 
 
-def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], state: Mapping[str, Any]) -> Optional[List[Tuple[str, str, Any]]]:
+def _entry_plan(
+    names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], state: Mapping[str, Any], owner: str
+) -> Optional[List[Tuple[str, str, Any]]]:
     """How to build one optimizer parameter's state from the per-parameter ``state``:
-    ``[(key, kind, dtype or the scalar value)]``, or ``None`` if none of ``names`` has state."""
+    ``[(key, kind, dtype or the scalar value)]``, or ``None`` if none of ``names`` has state.
+    ``owner``: the optimizer parameter as messages name it."""
     present = [n for n in names if state.get(n)]
     if not present:
         return None
@@ -448,6 +459,9 @@ def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], sta
                 f"parameters '{first}' and '{name}' share a FlatParameter but have different optimizer states: "
                 f"{sorted(keys)} vs {sorted(state[name])}"
             )
+    # Never-stepped entries count as no state for the scalar state (see [Note: optimizer
+    # state per original parameter]), unless no parameter was stepped.
+    stepped = [n for n in present if not _never_stepped((n,), state)] or present
     # A parameter with dimensions tells per-element from scalar state (a 0-dim parameter's
     # per-element state is 0-dim too); if there is none, scalar state is known by name.
     shaped = next((n for n in present if len(shapes[n]) > 0), None)
@@ -457,7 +471,7 @@ def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], sta
         else:
             kind = "scalar" if key in _SCALAR_NAMES or not isinstance(state[first][key], torch.Tensor) else "positional"
         if kind == "scalar":
-            plan.append((key, kind, _scalar_value(key, [(name, state[name][key]) for name in present])))
+            plan.append((key, kind, _scalar_value(key, [(name, state[name][key]) for name in stepped], owner)))
             continue
         for name in present:
             value = state[name][key]
@@ -468,25 +482,43 @@ def _entry_plan(names: Sequence[str], shapes: Mapping[str, Tuple[int, ...]], sta
     return plan
 
 
-def _scalar_value(key: str, values: Sequence[Tuple[str, Any]]) -> Any:
-    """The one value of scalar state ``key`` for a FlatParameter. Step counts may differ (a
-    plain optimizer counts per parameter, and one that got no gradient for a while counts
-    fewer): the FlatParameter has taken the most steps. Anything else must agree."""
-    first_name, first = values[0]
-    if key in _STEP_NAMES and all(isinstance(v, (torch.Tensor, int, float)) for _, v in values):
-        return max((v for _, v in values), key=lambda v: float(v))
-    for name, value in values[1:]:
-        if not _equal(value, first):
-            raise ValueError(
-                f"parameters '{first_name}' and '{name}' share a FlatParameter but have different '{key}': "
-                f"{first!r} vs {value!r}"
-            )
-    return first
+def _scalar_value(key: str, values: Sequence[Tuple[str, Any]], owner: str) -> Any:
+    """The one value of scalar state ``key`` (a step count, ...) of an optimizer parameter,
+    from the values of the original parameters it holds, which must all be equal, in value and
+    dtype; else an error naming them and their values. (FSDP1 refuses the same: one
+    optimizer parameter has one step count, so parameters stepped apart cannot share it.)"""
+    first = values[0][1]
+    if all(_equal(value, first) for _, value in values[1:]):
+        return first
+    alike: List[Tuple[Any, List[str]]] = []
+    for name, value in values:
+        same = next((names for held, names in alike if _equal(held, value)), None)
+        if same is None:
+            alike.append((value, [name]))
+        else:
+            same.append(name)
+    parts = [f"{_listed(names)} {'has' if len(names) == 1 else 'have'} {_shown(value)}" for value, names in alike]
+    raise ValueError(
+        f"the original parameters of {owner} must have optimizer state '{key}' with the same value and dtype, "
+        f"but {', '.join(parts[:-1])} and {parts[-1]}; without use_orig_params the optimizer steps them as one "
+        f"parameter (load this state into a model wrapped with use_orig_params=True to keep them apart)"
+    )
+
+
+def _listed(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return f"{value.item()!r} ({value.dtype})"
+    return f"{value!r} ({type(value).__name__})"
 
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
     return type(a) is type(b) and a == b
 
 
@@ -558,8 +590,16 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     for param in (p for g in groups for p in g):
         names = index.names_of(param)
         fresh = _never_stepped(names, osd["state"]) and not target.has_state(param)
-        plans.append(None if fresh else _entry_plan(names, index.shapes, osd["state"]))
+        plans.append(None if fresh else _entry_plan(names, index.shapes, osd["state"], _owner(index, param)))
     return groups, new_groups, plans
+
+
+def _owner(index: OptimStateIndex, param: torch.Tensor) -> str:
+    if id(param) in index.flat:
+        unit = index.flat[id(param)][2]
+        which = "the FlatParameter" if len(unit.handles) == 1 else "a FlatParameter"  # (names tell which)
+        return f"{which} of unit '{unit.name}'" if unit.name else f"{which} of the root module"
+    return f"parameter '{index.names_of(param)[0]}'"
 
 
 def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTarget, what: str, collective: bool) -> Dict[str, Any]:
