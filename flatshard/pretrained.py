@@ -15,18 +15,22 @@ bounded staging buffer otherwise, about two saved chunks for DCP (which deserial
 saved chunk that overlaps the range, once per box: [Note: a flat range as boxes]). Buffers
 (and parameters no unit flattened) are read whole on every rank, as every rank holds them.
 The names are the model's state-dict keys, exactly as ``FULL_STATE_DICT`` gives them (through
-the plain view); a tied parameter is read once, from whichever of its names the checkpoint
-has. The values go straight into the shards: modules' load hooks and ``_load_from_state_dict``
-overrides do not run. Units left gathered by a forward without backward are gathered again
-at the end, so every view shows the loaded values at once.
+the plain view); a tied parameter is read once, from the last of its names in state-dict order
+that the checkpoint has: ``load_state_dict`` copies every name into the one tensor in that
+order, so the last one is what it leaves (two names holding different values load as torch
+loads them, whatever the file's order). The values go straight into the shards: modules' load
+hooks and ``_load_from_state_dict`` overrides do not run. Units left gathered by a forward
+without backward are gathered again at the end, so every view shows the loaded values at once.
 
 Reading is local -- no collective moves data -- so its cost does not grow with the world
 size. Constant-size collectives keep the ranks together ([Note: raising together] in
 ``_collectives``): after taking the user's writes, after planning (any rank's error, say a
-file missing on one node, raises on every rank before anything is written), on a digest of
-what each rank is about to read -- keys, shapes, dtypes and a sampled digest of the files, so
-ranks given different checkpoints (another step of the same run, say) are named -- and after
-reading (a read that failed on one rank raises everywhere).
+file missing on one node, or a malformed file: see [Note: checking files], raises on every
+rank before anything is written), on a digest of what each rank is about to read -- keys,
+shapes, dtypes and the files' identities (sizes, whole headers, first and last 64 KiB), with
+``verify=True`` also a digest of every byte read from -- so ranks given different checkpoints
+(another step of the same run, say, or a copy that differs in its middle) are named, and
+after reading (a read that failed on one rank raises everywhere).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def load_pretrained(
     *,
     rename: Optional[Callable[[str], Optional[str]]] = None,
     strict: bool = True,
+    verify: bool = False,
 ) -> IncompatibleKeys:
     """Load the parameters and persistent buffers of ``model`` from ``checkpoint``, each rank
     reading only what its shards hold (see [Note: reading only this rank's shard]).
@@ -82,9 +87,16 @@ def load_pretrained(
         rename: maps a checkpoint key to the model's key (its ``FULL_STATE_DICT`` key), or to
             ``None`` to skip the entry; by default keys are used as they are.
         strict: raise if a model key gets no value or a (renamed) checkpoint key matches no
-            model key. A tied parameter needs a value under one of its names. With
+            model key. A tied parameter needs a value under one of its names; given several,
+            it takes the last in state-dict order, as ``load_state_dict`` does. With
             ``strict=False`` the missing keys keep what they held (after ``empty_init``:
             uninitialised memory).
+        verify: also make sure every rank reads the same bytes: every rank reads every byte
+            of every tensor the load takes (the whole checkpoint, for a whole model) and
+            hashes it (SHA-256), and the ranks compare the digests, naming the first key
+            whose bytes differ. Costs a full read of those tensors on every rank before the
+            load. By default only the files' sizes, headers and first and last 64 KiB are
+            compared.
 
     Returns:
         ``IncompatibleKeys(missing_keys, unexpected_keys)``.
@@ -103,6 +115,8 @@ def _load_pretrained(model: nn.Module, checkpoint: Any, rename: Optional[Callabl
         raise TypeError(f"{_WHAT}: rename must be a function from a checkpoint key to a model key (or None); got {type(rename).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"{_WHAT}: strict must be a bool; got {type(strict).__name__}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"{_WHAT}: verify must be a bool; got {type(verify).__name__}")
     units = [unit for _, unit in named_units(model)]
     if not units:
         raise ValueError(f"{_WHAT}: {type(model).__name__} holds no ShardedDataParallel module; use load_state_dict() for a plain model")
@@ -114,7 +128,7 @@ def _load_pretrained(model: nn.Module, checkpoint: Any, rename: Optional[Callabl
     plan = _Plan()
     try:
         reader = open_checkpoint(path)
-        plan = _make_plan(model, handles, reader, rename or (lambda key: key), strict)
+        plan = _make_plan(model, handles, reader, rename or (lambda key: key), strict, verify)
     except Exception as exc:  # noqa: BLE001 - raised below, on every rank
         error = exc
     raise_together(units, error, f"{_WHAT}: nothing was loaded, because rank {{rank}} failed to plan its reads from {path!r} (see its error)")
@@ -211,16 +225,23 @@ _Where = Union[Tuple[FlatParamHandle, int], torch.Tensor]
 
 
 def _make_plan(
-    model: nn.Module, handles: Sequence[FlatParamHandle], reader: CheckpointReader, rename: Callable[[str], Optional[str]], strict: bool
+    model: nn.Module,
+    handles: Sequence[FlatParamHandle],
+    reader: CheckpointReader,
+    rename: Callable[[str], Optional[str]],
+    strict: bool,
+    verify: bool,
 ) -> _Plan:
     sources = _sources(reader, rename)
     plan = _Plan()
     mismatches: List[str] = []
     held = {h: {s.index: s for s in h.shard_param_infos} for h in handles}
     model_keys = set()
+    read: List[str] = []  # the checkpoint keys the load reads from (on some rank)
     for names, where in _targets(model, handles):
         model_keys.update(names)
-        chosen = next((n for n in names if n in sources), None)
+        # (a tie: the last of its names, what load_state_dict's copies in this order leave)
+        chosen = next((n for n in reversed(names) if n in sources), None)
         if chosen is None:
             plan.missing += names
             continue
@@ -235,6 +256,7 @@ def _make_plan(
             )
             continue
         plan.described.append(f"{chosen} <- {key} {stored.dtype}")
+        read.append(key)
         plan.pieces += _pieces(key, where, held, plan.copy_back)
     plan.unexpected = [model_key for model_key in sources if model_key not in model_keys]
     problems = mismatches
@@ -246,6 +268,8 @@ def _make_plan(
         raise RuntimeError(f"Error(s) in {_WHAT} for {type(model).__name__} from {reader.path!r}:\n\t" + "\n\t".join(problems))
     plan.described += [f"missing {k}" for k in plan.missing] + [f"unexpected {k}" for k in plan.unexpected]
     plan.described.append(f"files {reader.identity()}")
+    if verify:
+        plan.described += reader.digests(read)
     return plan
 
 

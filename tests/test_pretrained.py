@@ -10,6 +10,7 @@ Truth is single-process training of the model the checkpoint was saved from."""
 import json
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 
@@ -31,7 +32,8 @@ from flatshard import (
 )
 from flatshard._readers._safetensors import SafetensorsReader, write_safetensors
 from flatshard._readers._stored import Piece
-from tests._models import Block, batch, build, dcp_save_in_one_process, lm_loss, step_on_global_batch
+from flatshard.pretrained import open_checkpoint
+from tests._models import Block, batch, build, dcp_save_in_one_process, error_text, lm_loss, step_on_global_batch
 
 K = 2
 ROWS = 12  # global batch rows (divisible by 2 and 3)
@@ -298,7 +300,7 @@ class PretrainedLoadTest(TestCase):
             params_read = sum(stop - start for key, start, stop in read if key != "pos")
             self.assertLessEqual(params_read, held)  # (the rest of a shard is padding)
             self.assertIn(("pos", 0, buffers), read)  # buffers: whole, on every rank
-            self.assertNotIn("head.weight", [k for k, _, _ in read])  # a tie is read once
+            self.assertNotIn("embed.weight", [k for k, _, _ in read])  # a tie is read once, from its last name
             for key, start, stop in read:
                 if key != "pos":
                     covered.setdefault(key, []).append((start, stop))
@@ -308,7 +310,110 @@ class PretrainedLoadTest(TestCase):
             self.assertEqual(ranges[0][0], 0, key)
             self.assertEqual(ranges[-1][1], state[key].numel(), key)
             self.assertTrue(all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (key, ranges))
-        self.assertEqual(sorted(covered), sorted(k for k in state if k not in ("pos", "head.weight")))
+        self.assertEqual(sorted(covered), sorted(k for k in state if k not in ("pos", "embed.weight")))
+
+
+# -- tied names holding different values ------------------------------------------------------
+
+
+def _load_file(rank, world_size, path):
+    model = _meta_wrapped()
+    return _outcome(lambda: load_pretrained(model, path) and None), _full_state(model)
+
+
+def _file_content(path):
+    """Every tensor of a safetensors file, whole."""
+    reader = SafetensorsReader(path)
+    out = {}
+    for key, stored in reader.tensors.items():
+        out[key] = torch.empty(stored.shape, dtype=stored.dtype)
+        reader.read([Piece(key, 0, out[key].view(-1))])
+    return out
+
+
+class PretrainedTiesTest(TestCase):
+    def test_tied_names_holding_different_values_load_as_load_state_dict_loads_them(self):
+        # torch's load_state_dict copies every key into the one tied tensor, in the model's
+        # state-dict order: the last name the file holds wins, whatever the file's own order
+        directory = tempfile.mkdtemp(prefix="flatshard-pretrained-ties-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        state = _source().state_dict()
+        state["head.weight"] = state["embed.weight"] * 2 + 1
+        orders = {"model order": list(state), "reversed": list(reversed(state))}
+        for order, keys in orders.items():
+            path = os.path.join(directory, f"{order}.safetensors")
+            write_safetensors(path, {k: state[k] for k in keys})
+            plain = build(7)
+            plain.load_state_dict(_file_content(path))
+            expected = plain.state_dict()
+            self.assertTrue(torch.equal(expected["embed.weight"], state["head.weight"]), order)
+            for rank, (outcome, loaded) in enumerate(self.pool.run(_load_file, 2, path)):
+                self.assertEqual(outcome, "ok", (order, rank))
+                self.assertEqual(list(loaded), list(expected), (order, rank))
+                for key, value in expected.items():
+                    self.assertTrue(torch.equal(loaded[key], value), (order, rank, key))
+
+
+# -- a file that differs between the ranks -------------------------------------------------------
+
+_BIG_VOCAB = 8192  # (the tied head: 256 KiB of float32, far more than the sampled 64 KiB at each end)
+
+
+def _load_own_copy(rank, world_size, directory, verify):
+    """Each rank loads its own copy, ``<directory>/rank<r>/one.safetensors``."""
+    with torch.device("meta"):
+        model = build(7, vocab=_BIG_VOCAB)
+    model = ShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=empty_init("cpu"))
+    path = os.path.join(directory, f"rank{rank}", "one.safetensors")
+    return _outcome(lambda: load_pretrained(model, path, verify=verify) and None).replace(directory, "<dir>"), _full_state(model)
+
+
+def _data_range(path, key):
+    """Where the bytes of ``key`` lie in the safetensors file ``path`` (read from the file's
+    own header, not through flatshard)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        begin, end = json.loads(f.read(length))[key]["data_offsets"]
+    return 8 + length + begin, 8 + length + end
+
+
+class PretrainedDifferentFilesTest(TestCase):
+    def test_a_file_that_differs_between_ranks_past_what_is_sampled_needs_verify(self):
+        import hashlib
+
+        directory = tempfile.mkdtemp(prefix="flatshard-pretrained-copies-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        state = build(SOURCE_SEED, vocab=_BIG_VOCAB).state_dict()
+        for rank in (0, 1):
+            os.makedirs(os.path.join(directory, f"rank{rank}"))
+        good, bad = (os.path.join(directory, f"rank{rank}", "one.safetensors") for rank in (0, 1))
+        write_safetensors(good, state)
+        data = bytearray(open(good, "rb").read())
+        begin, end = _data_range(good, "head.weight")  # (the last tensor of the file)
+        # rank 1's copy: the same size, header, first and last 64 KiB, its middle garbage
+        data[begin : end - 64 * 1024] = b"\x7e" * (end - 64 * 1024 - begin)
+        with open(bad, "wb") as f:
+            f.write(data)
+        digests = [hashlib.sha256(open(p, "rb").read()[begin:end]).hexdigest()[:16] for p in (good, bad)]
+        for shared in (False, True):  # (also: the ranks given identical copies)
+            if shared:
+                shutil.copyfile(good, bad)
+            # by default nothing tells the copies apart (docs/checkpoints.md says so): rank 1 reads garbage
+            (first, loaded), (second, _) = self.pool.run(_load_own_copy, 2, directory, False)
+            self.assertEqual((first, second), ("ok", "ok"))
+            self.assertEqual(torch.equal(loaded["embed.weight"], state["embed.weight"]), shared)
+            verified = self.pool.run(_load_own_copy, 2, directory, True)
+            if shared:
+                self.assertEqual([outcome for outcome, _ in verified], ["ok", "ok"])
+                self.assertTrue(all(torch.equal(verified[0][1][k], v) for k, v in state.items()))
+                continue
+            for rank, (outcome, _) in enumerate(verified):
+                self.assertEqual(
+                    outcome,
+                    f"RuntimeError: [rank {rank}] load_pretrained(): the ranks read different checkpoints: rank 0 reads "
+                    f"sha256 of 'head.weight' in one.safetensors: {digests[0]}, rank 1 reads sha256 of 'head.weight' "
+                    f"in one.safetensors: {digests[1]}",
+                )
 
 
 # -- errors, on every rank -------------------------------------------------------------------
@@ -324,6 +429,13 @@ def _write_broken(directory):
     os.makedirs(os.path.join(directory, "empty"))
     os.makedirs(os.path.join(directory, "later"))
     write_safetensors(os.path.join(directory, "later", "one.safetensors"), {k: v + 1 for k, v in state.items()})
+    overlapping = {"norm.weight": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}, "norm.bias": {"dtype": "F32", "shape": [8], "data_offsets": [16, 48]}}
+    header = json.dumps(overlapping).encode()
+    with open(os.path.join(directory, "overlapping.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(48))
+    shutil.copytree(os.path.join(directory, "dcp"), os.path.join(directory, "dcp_truncated"))
+    (data,) = [n for n in os.listdir(os.path.join(directory, "dcp_truncated")) if n.endswith(".distcp")]
+    os.truncate(os.path.join(directory, "dcp_truncated", data), os.path.getsize(os.path.join(directory, "dcp_truncated", data)) - 100)
 
 
 def _outcome(run):
@@ -367,6 +479,9 @@ def _errors(rank, world_size, directory):
     finally:
         SafetensorsReader.read = original
     out["not a checkpoint"] = _outcome(lambda: load_pretrained(model, at("empty")))
+    out["overlapping data"] = _outcome(lambda: load_pretrained(model, at("overlapping.safetensors")))
+    out["truncated .distcp"] = _outcome(lambda: load_pretrained(model, at("dcp_truncated")))
+    out["verify type"] = _outcome(lambda: load_pretrained(model, one, verify=1))
     out["no units"] = _outcome(lambda: load_pretrained(nn.Linear(2, 2), one))
     out["checkpoint type"] = _outcome(lambda: load_pretrained(model, 3))
     with ShardedDataParallel.summon_full_params(model):
@@ -407,6 +522,12 @@ class PretrainedErrorsTest(TestCase):
                 "ValueError: load_pretrained(): '<dir>/empty' is neither a torch.distributed.checkpoint directory (holding "
                 ".metadata) nor safetensors (a .safetensors file, a model.safetensors.index.json, or a directory holding them)"
             ),
+            "overlapping data": (
+                "ValueError: '<dir>/overlapping.safetensors': the data of keys 'norm.weight' (bytes [0, 32) of the data "
+                "section) and 'norm.bias' (bytes [16, 48)) overlap; every tensor needs bytes of its own"
+            ),
+            "truncated .distcp": "ValueError: " + error_text(lambda: open_checkpoint(os.path.join(self.directory, "dcp_truncated")), ValueError).replace(self.directory, "<dir>"),
+            "verify type": "TypeError: load_pretrained(): verify must be a bool; got int",
             "no units": "ValueError: load_pretrained(): Linear holds no ShardedDataParallel module; use load_state_dict() for a plain model",
             "checkpoint type": "TypeError: load_pretrained(): checkpoint must be a path (str or os.PathLike); got int",
             "non-persistent meta buffer": (
@@ -416,6 +537,7 @@ class PretrainedErrorsTest(TestCase):
             ),
             "loads afterwards": "ok",
         }
+        self.assertTrue(same["truncated .distcp"].startswith("ValueError: '<dir>/dcp_truncated/__0_0.distcp' holds "), same["truncated .distcp"])
         for key, expected in same.items():
             self.assertEqual((key, first[key]), (key, expected))
             self.assertEqual((key, second[key]), (key, expected))

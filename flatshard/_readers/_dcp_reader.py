@@ -15,19 +15,28 @@ The storage reader is driven through its public protocol (metadata, local plan, 
 of one, read) as ``dcp.load`` does with ``no_dist``: each rank plans only its own reads, so
 loading needs no collective and works at any world size. The reader deserialises every saved
 chunk that overlaps a box (``torch.load`` of the chunk), so the transient memory is one saved
-chunk -- for a checkpoint saved by one process, one whole parameter.
+chunk -- for a checkpoint saved by one process, one whole parameter. Chunks are read one at a
+time, so a chunk that fails to deserialise is named with its file and key.
+
+Opening the directory checks its metadata (see [Note: checking files]): every saved chunk of a
+tensor lies inside the tensor and has a place in a file inside the directory, long enough to
+hold it (a truncated or missing file is named at once, with the key). Whether the chunks of a
+tensor cover what a rank reads, each element once, is checked per box when reading (checking
+every pair of chunks when opening would cost the square of the saving world size).
+The metadata file is a pickle, as torch's own reader loads it: a hostile one runs code.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._comm._collectives import fingerprint
-from ._stored import Piece, StoredTensor, sampled_digest
+from ._stored import Piece, StoredTensor, range_digests, sampled_digest
 
 __all__ = ["DcpReader", "is_dcp_checkpoint", "flat_range_boxes"]
 
@@ -85,9 +94,11 @@ class DcpReader:
 
         self.path = path
         self._reader = FileSystemReader(path)
-        self._metadata = self._reader.read_metadata()
+        self._metadata = _read_metadata(path)
         entries = self._metadata.state_dict_metadata.items()
         self._stored = {key: md for key, md in entries if isinstance(md, TensorStorageMetadata)}
+        # (key, a saved chunk's offsets) -> (its file, relative to path; offset; length)
+        self._places = _checked_places(path, self._metadata.storage_data, self._stored)
         self.tensors: Dict[str, StoredTensor] = {
             key: StoredTensor(tuple(md.size), md.properties.dtype) for key, md in self._stored.items()
         }
@@ -99,6 +110,20 @@ class DcpReader:
         sizes = fingerprint(" ".join(f"{n}:{os.path.getsize(os.path.join(self.path, n))}" for n in data))
         sampled = [sampled_digest(os.path.join(self.path, n)) for n in dict.fromkeys(data[:1] + data[-1:])]
         return " ".join([f"{len(data)} files, sizes {sizes:x}"] + sampled)
+
+    def digests(self, keys: Sequence[str]) -> List[str]:
+        chunks = [
+            (key, offsets) for key in dict.fromkeys(keys) for offsets in sorted(tuple(int(n) for n in c.offsets) for c in self._stored[key].chunks)
+        ]
+        by_file: Dict[str, List[Tuple[str, Tuple[int, ...]]]] = {}
+        for chunk in chunks:
+            by_file.setdefault(self._places[chunk][0], []).append(chunk)
+        found: Dict[Tuple[str, Tuple[int, ...]], str] = {}
+        for name, group in by_file.items():
+            ranges = [(self._places[c][1], self._places[c][1] + self._places[c][2]) for c in group]
+            for (key, offsets), digest in zip(group, range_digests(os.path.join(self.path, name), ranges)):
+                found[(key, offsets)] = f"sha256 of '{key}' saved chunk at offsets {offsets} in {name}: {digest}"
+        return [found[chunk] for chunk in chunks]
 
     def read(self, pieces: Sequence[Piece]) -> None:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -114,28 +139,141 @@ class DcpReader:
                 views[(piece.key, len(listed))] = piece.dest[at : at + math.prod(sizes)].view(sizes)
                 listed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         items = [item for key, listed in chunks.items() for item in create_read_items_for_chunk_list(key, self._stored[key], listed)]
-        _check_covered(items, views)
+        _check_covered(self.path, items, views)
         if not items:
             return
         self._reader.set_up_storage_reader(self._metadata, True)
-        plan = self._reader.prepare_local_plan(LoadPlan(items))
-        plan = self._reader.prepare_global_plan([plan])[0]
-        self._reader.read_data(plan, _into_views(views)).wait()
+        planner = _into_views(views)
+        by_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Any]] = {}
+        for item in items:
+            by_chunk.setdefault((item.storage_index.fqn, tuple(int(n) for n in item.storage_index.offset)), []).append(item)
+        for (key, offsets), group in by_chunk.items():
+            plan = self._reader.prepare_global_plan([self._reader.prepare_local_plan(LoadPlan(group))])[0]
+            try:
+                self._reader.read_data(plan, planner).wait()
+            except Exception as exc:  # noqa: BLE001 - named with its file and key (torch.load of broken bytes raises anything, OSError too)
+                name, offset, length = self._places[(key, offsets)]
+                raise ValueError(
+                    f"{os.path.join(self.path, name)!r}: the saved chunk of '{key}' at offsets {offsets} (bytes "
+                    f"[{offset}, {offset + length})) cannot be read: {type(exc).__name__}: {exc}"
+                ) from exc
 
 
-def _check_covered(items: Sequence[Any], views: Dict[Tuple[str, int], torch.Tensor]) -> None:
-    """Raise unless the saved chunks cover every box (else some elements would keep whatever
-    the destination held)."""
-    covered: Dict[Tuple[str, int], int] = {}
+def _read_metadata(path: str) -> Any:
+    """The checkpoint's metadata, loaded as torch's ``FileSystemReader`` loads it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = os.path.join(path, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            metadata = pickle.load(f)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises: named with the file
+        raise ValueError(f"{file!r} is not a torch.distributed.checkpoint metadata file: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{file!r} is not a torch.distributed.checkpoint metadata file: it holds a {type(metadata).__name__}")
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise ValueError(f"{file!r} is not a torch.distributed.checkpoint metadata file: its state_dict_metadata or storage_data is not a dict")
+    return metadata
+
+
+def _checked_places(path: str, storage: Dict[Any, Any], stored: Dict[str, Any]) -> Dict[Tuple[str, Tuple[int, ...]], Tuple[str, int, int]]:
+    """Where each saved chunk of each tensor lies: its file (relative to ``path``), offset and
+    length, checked against the tensor, the directory and the file's size."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta = os.path.join(path, ".metadata")
+    sizes: Dict[str, int] = {}
+    places: Dict[Tuple[str, Tuple[int, ...]], Tuple[str, int, int]] = {}
+    for key, md in stored.items():
+        shape = _described_shape(meta, key, md)
+        for chunk in md.chunks:
+            raw = (getattr(chunk, "offsets", None), getattr(chunk, "sizes", None))
+            offsets, extent = _ints(raw[0]), _ints(raw[1])
+            if offsets is None or extent is None or not _fits(offsets, extent, shape):
+                shown = [given if given is not None else value for given, value in zip((offsets, extent), raw)]
+                raise ValueError(f"{meta!r}: '{key}' of shape {shape} has a saved chunk at offsets {shown[0]} of sizes {shown[1]}, which do not fit in it")
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise ValueError(f"{meta!r} names no stored bytes for the saved chunk of '{key}' at offsets {offsets}")
+            where = f"the saved chunk of '{key}' at offsets {offsets}"
+            name, offset, length = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
+            if not isinstance(name, str) or os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+                raise ValueError(f"{meta!r} places {where} in {name!r}, outside the checkpoint directory")
+            if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
+                raise ValueError(f"{meta!r} places {where} at offset {offset!r}, length {length!r} (expected non-negative integers)")
+            file = os.path.join(path, name)
+            if name not in sizes:
+                if not os.path.isfile(file):
+                    raise FileNotFoundError(f"{file!r}, where {meta!r} places {where}, does not exist")
+                sizes[name] = os.path.getsize(file)
+            if offset + length > sizes[name]:
+                raise ValueError(
+                    f"{file!r} holds {sizes[name]} bytes, but {meta!r} places {where} in its bytes [{offset}, "
+                    f"{offset + length}) (a truncated or replaced file)"
+                )
+            places[(key, offsets)] = (name, offset, length)
+    return places
+
+
+def _fits(offsets: Tuple[int, ...], sizes: Tuple[int, ...], shape: Tuple[int, ...]) -> bool:
+    return len(offsets) == len(sizes) == len(shape) and all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, sizes, shape))
+
+
+def _described_shape(meta: str, key: str, md: Any) -> Tuple[int, ...]:
+    size, dtype, chunks = getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None), getattr(md, "chunks", None)
+    if not (isinstance(size, tuple) and all(_is_int(n) and n >= 0 for n in size) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)):
+        raise ValueError(f"{meta!r}: the entry of '{key}' is not a tensor's description (a size, a dtype and a list of saved chunks)")
+    return tuple(size)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(value: object) -> Optional[Tuple[int, ...]]:
+    """``value`` as a tuple if it is a tuple of integers (a ``torch.Size``), else ``None``."""
+    return tuple(value) if isinstance(value, tuple) and all(_is_int(n) for n in value) else None
+
+
+def _check_covered(path: str, items: Sequence[Any], views: Dict[Tuple[str, int], torch.Tensor]) -> None:
+    """Raise unless the saved chunks cover every box, each element once (else some elements
+    would keep whatever the destination held, or hold what no save wrote there)."""
+    per_box: Dict[Tuple[str, int], List[Any]] = {}
     for item in items:
-        where = (item.dest_index.fqn, item.dest_index.index)
-        covered[where] = covered.get(where, 0) + math.prod(item.lengths)
+        per_box.setdefault((item.dest_index.fqn, item.dest_index.index), []).append(item)
     for (key, index), view in views.items():
-        if covered.get((key, index), 0) != view.numel():
+        found = per_box.get((key, index), [])
+        clash = _first_overlap(found)
+        if clash is not None:
+            first, second = (tuple(int(n) for n in item.storage_index.offset) for item in clash)
             raise ValueError(
-                f"the checkpoint's saved chunks of '{key}' cover {covered.get((key, index), 0)} of the {view.numel()} "
+                f"{path!r}: the checkpoint's saved chunks of '{key}' at offsets {first} and {second} overlap in the box of "
+                f"shape {tuple(view.shape)} this rank reads (a malformed checkpoint)"
+            )
+        covered = sum(math.prod(item.lengths) for item in found)
+        if covered != view.numel():
+            raise ValueError(
+                f"{path!r}: the checkpoint's saved chunks of '{key}' cover {covered} of the {view.numel()} "
                 f"elements of the box of shape {tuple(view.shape)} this rank reads (an incomplete checkpoint?)"
             )
+
+
+def _first_overlap(items: Sequence[Any]) -> Optional[Tuple[Any, Any]]:
+    """Two read items whose regions of the box overlap, or ``None``: a sweep along the first
+    dimension, comparing only items whose first-dimension ranges meet (for chunks cut along
+    the rows, as sharded saves cut them, each item meets one other)."""
+    order = sorted((item for item in items if math.prod(item.lengths)), key=lambda item: tuple(item.dest_offsets))
+    active: List[Any] = []
+    for item in order:
+        start = item.dest_offsets[0] if len(item.lengths) else 0
+        active = [a for a in active if not len(a.lengths) or a.dest_offsets[0] + a.lengths[0] > start]
+        for other in active:
+            if all(o1 < o2 + n2 and o2 < o1 + n1 for o1, n1, o2, n2 in zip(other.dest_offsets, other.lengths, item.dest_offsets, item.lengths)):
+                return other, item
+        active.append(item)
+    return None
 
 
 def _into_views(views: Dict[Tuple[str, int], torch.Tensor]) -> Any:

@@ -11,20 +11,29 @@ of the stored dtype, else through a bounded staging buffer that is converted as 
 Plain reads, not a memory map: what a rank reads is its shard's bytes, and nothing of the file
 stays mapped into the process afterwards. A model split over several files names them in a
 ``model.safetensors.index.json`` (``weight_map``: key -> file), as Hugging Face saves them.
+
+The header is checked whole when a file is opened, before any data is read (see [Note:
+checking files]): a JSON object naming nothing twice (a JSON parser would silently keep the
+last of two entries of one key), ``__metadata__`` strings to strings, each tensor exactly a
+dtype the format defines, a shape of non-negative integers and ``[begin, end]`` offsets whose
+length fits the dtype and shape, inside the data section, no two tensors' bytes overlapping
+(else writing one would change the other, and reading gives values no save produced). Gaps
+between tensors, and bytes after the last one, are allowed: nothing reads them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
 import sys
-from typing import BinaryIO, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ._stored import Piece, StoredTensor, sampled_digest
+from ._stored import Piece, StoredTensor, range_digests, sampled_digest
 
 __all__ = ["INDEX_NAME", "SafetensorsReader", "safetensors_files", "write_safetensors"]
 
@@ -36,12 +45,23 @@ _MAX_HEADER = 100 * 1024 * 1024
 _STAGING_BYTES = 64 * 1024 * 1024
 
 
+# Every dtype the format defines, with its bits per element (a file may hold ones this torch
+# cannot: see ``_dtypes``).
+_FORMAT_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}  # fmt: skip
+_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
 def _dtypes() -> Dict[str, torch.dtype]:
     names = {
         "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
         "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
         "U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64",
         "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
     }
     # (only those this torch has: the unsigned and float8 types came in later versions)
     return {code: getattr(torch, name) for code, name in names.items() if isinstance(getattr(torch, name, None), torch.dtype)}
@@ -69,7 +89,7 @@ def safetensors_files(path: str) -> List[str]:
 def _indexed_files(index: str) -> List[str]:
     with open(index, encoding="utf-8") as f:
         try:
-            weight_map = json.load(f).get("weight_map")
+            weight_map = json.load(f, object_pairs_hook=_unique_names(repr(index))).get("weight_map")
         except (json.JSONDecodeError, AttributeError) as exc:
             raise ValueError(f"{index!r} is not a safetensors index (a JSON object with a 'weight_map')") from exc
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -91,22 +111,35 @@ class SafetensorsReader:
         self.path = path
         self.tensors: Dict[str, StoredTensor] = {}
         self.unreadable: Dict[str, str] = {}
-        # key -> (file, offset of its first byte in the file)
-        self._where: Dict[str, Tuple[str, int]] = {}
+        # key -> (file, file offsets of its first byte and past its last)
+        self._where: Dict[str, Tuple[str, int, int]] = {}
+        self._data_start: Dict[str, int] = {}  # file -> where its data section starts
         self._files = safetensors_files(path)
         for file in self._files:
-            for key, entry in _read_header(file).items():
-                if key in self._where or key in self.unreadable:
-                    where = self._where[key][0] if key in self._where else "an earlier file"
-                    raise ValueError(f"key '{key}' is stored twice: in {where!r} and in {file!r}")
-                if isinstance(entry, str):
-                    self.unreadable[key] = entry
+            header = _read_header(file)
+            self._data_start[file] = header.data_start
+            for entry in header.entries:
+                if entry.key in self._where or entry.key in self.unreadable:
+                    where = self._where[entry.key][0] if entry.key in self._where else "an earlier file"
+                    raise ValueError(f"key '{entry.key}' is stored twice: in {where!r} and in {file!r}")
+                if entry.stored is None:
+                    self.unreadable[entry.key] = entry.why
                     continue
-                self.tensors[key], offset = entry
-                self._where[key] = (file, offset)
+                self.tensors[entry.key] = entry.stored
+                self._where[entry.key] = (file, header.data_start + entry.begin, header.data_start + entry.end)
 
     def identity(self) -> str:
-        return " ".join(sampled_digest(file) for file in self._files)
+        return " ".join(sampled_digest(file, head=self._data_start[file]) for file in self._files)
+
+    def digests(self, keys: Sequence[str]) -> List[str]:
+        by_file: Dict[str, List[str]] = {}
+        for key in dict.fromkeys(keys):
+            by_file.setdefault(self._where[key][0], []).append(key)
+        found: Dict[str, str] = {}
+        for file, group in by_file.items():
+            for key, digest in zip(group, range_digests(file, [self._where[key][1:] for key in group])):
+                found[key] = f"sha256 of '{key}' in {os.path.basename(file)}: {digest}"
+        return [found[key] for key in dict.fromkeys(keys)]
 
     def read(self, pieces: Sequence[Piece]) -> None:
         by_file: Dict[str, List[Piece]] = {}
@@ -181,57 +214,116 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())).cast("B")
 
 
-def _read_header(file: str) -> Mapping[str, Union[Tuple[StoredTensor, int], str]]:
-    """Every tensor of ``file``: its description and the file offset of its first byte,
-    checked for what reading it needs (entries complete, sizes consistent, data within the
-    file); or, for a dtype this torch cannot hold, why not (an error only if it is read)."""
-    dtypes = _dtypes()
+class _Entry(NamedTuple):
+    """A tensor of a file's header: its bytes ``[begin, end)`` of the data section, and what
+    it holds, or (``stored`` None) why this torch cannot hold it."""
+
+    key: str
+    begin: int
+    end: int
+    stored: Optional[StoredTensor]
+    why: str
+
+
+class _Header(NamedTuple):
+    data_start: int  # the file offset of the data section
+    entries: List[_Entry]
+
+
+def _read_header(file: str) -> _Header:
+    """The checked header of ``file`` (see [Note: safetensors byte ranges])."""
     file_size = os.path.getsize(file)
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
             raise ValueError(f"{file!r} is not a safetensors file: it has {len(prefix)} bytes")
         (length,) = struct.unpack("<Q", prefix)
-        if length > min(_MAX_HEADER, file_size - 8):
+        if length > file_size - 8:
             raise ValueError(f"{file!r} is not a safetensors file: its header length {length} exceeds the file ({file_size} bytes)")
-        try:
-            header = json.loads(f.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{file!r} is not a safetensors file: its header is not JSON") from exc
+        if length > _MAX_HEADER:
+            raise ValueError(f"{file!r} is not a safetensors file: its header length {length} exceeds the format's limit ({_MAX_HEADER} bytes)")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_names(f"{file!r}: its header"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file!r} is not a safetensors file: its header is not JSON") from exc
     if not isinstance(header, dict):
         raise ValueError(f"{file!r} is not a safetensors file: its header is not a JSON object")
-    data_start = 8 + length
-    out = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        described = _entry(file, key, entry, dtypes)
-        if isinstance(described, str):
-            out[key] = described
-            continue
-        stored, begin = described
-        end = begin + stored.numel * stored.dtype.itemsize
-        if data_start + end > file_size:
-            raise ValueError(f"{file!r}: the data of key '{key}' ends at byte {data_start + end}, past the file's end ({file_size})")
-        out[key] = (stored, data_start + begin)
-    return out
+    metadata = header.get("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise ValueError(f"{file!r}: its __metadata__ is {_shown(metadata)}; expected an object mapping strings to strings")
+    dtypes = _dtypes()
+    data_size = file_size - 8 - length
+    entries = [_entry(file, key, entry, data_size, dtypes) for key, entry in header.items() if key != "__metadata__"]
+    _check_apart(file, entries)
+    return _Header(8 + length, entries)
 
 
-def _entry(file: str, key: str, entry: object, dtypes: Mapping[str, torch.dtype]) -> Union[Tuple[StoredTensor, int], str]:
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-        raise ValueError(f"{file!r}: key '{key}' lacks a dtype, shape or data_offsets entry")
+def _entry(file: str, key: str, entry: object, data_size: int, dtypes: Mapping[str, torch.dtype]) -> _Entry:
+    where = f"{file!r}: key '{key}'"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is {_shown(entry)} ({_a(entry)}); expected an object with dtype, shape and data_offsets")
+    lacking, extra = sorted(_FIELDS - set(entry)), sorted(set(entry) - _FIELDS)
+    if lacking:
+        raise ValueError(f"{where} lacks {', '.join(map(repr, lacking))} (every tensor has dtype, shape and data_offsets)")
+    if extra:
+        raise ValueError(f"{where} has {', '.join(map(repr, extra))} besides dtype, shape and data_offsets")
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if code not in dtypes:
-        return f"{file!r}: key '{key}' has dtype {code!r}, which this torch cannot hold (known: {sorted(dtypes)})"
-    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
-        raise ValueError(f"{file!r}: key '{key}' has shape {shape!r}; expected a list of sizes")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
-        raise ValueError(f"{file!r}: key '{key}' has data_offsets {offsets!r}; expected [begin, end]")
-    stored = StoredTensor(tuple(shape), dtypes[code])
+    if not isinstance(code, str) or code not in _FORMAT_BITS:
+        kind = "" if isinstance(code, str) else f" ({_a(code)})"
+        raise ValueError(f"{where} has dtype {_shown(code)}{kind}; expected one of the safetensors dtypes ({', '.join(sorted(_FORMAT_BITS))})")
+    if not (isinstance(shape, list) and all(_is_int(n) and n >= 0 for n in shape)):
+        raise ValueError(f"{where} has shape {_shown(shape)}; expected a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(n) for n in offsets) and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{where} has data_offsets {_shown(offsets)}; expected [begin, end], integers with 0 <= begin <= end")
     begin, end = offsets
-    if end - begin != stored.numel * stored.dtype.itemsize or begin < 0:
-        raise ValueError(
-            f"{file!r}: key '{key}' ({code}, shape {tuple(shape)}) needs {stored.numel * stored.dtype.itemsize} bytes; "
-            f"its data_offsets {offsets} give {end - begin}"
-        )
-    return stored, begin
+    bits = math.prod(shape) * _FORMAT_BITS[code]
+    if bits != 8 * (end - begin):
+        need = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits ({bits / 8:g} bytes)"
+        raise ValueError(f"{where} ({code}, shape {tuple(shape)}) needs {need}; its data_offsets {offsets} give {end - begin}")
+    if end > data_size:
+        raise ValueError(f"{file!r}: the data of key '{key}' ends at byte {end} of the data section, past its end ({data_size})")
+    if code not in dtypes:
+        return _Entry(key, begin, end, None, f"{where} has dtype {code!r}, which this torch cannot hold (known: {sorted(dtypes)})")
+    return _Entry(key, begin, end, StoredTensor(tuple(shape), dtypes[code]), "")
+
+
+def _check_apart(file: str, entries: Sequence[_Entry]) -> None:
+    """Raise if two tensors' bytes overlap (empty tensors hold none)."""
+    previous = None
+    for entry in sorted((e for e in entries if e.end > e.begin), key=lambda e: (e.begin, e.end)):
+        if previous is not None and entry.begin < previous.end:
+            raise ValueError(
+                f"{file!r}: the data of keys '{previous.key}' (bytes [{previous.begin}, {previous.end}) of the data section) "
+                f"and '{entry.key}' (bytes [{entry.begin}, {entry.end})) overlap; every tensor needs bytes of its own"
+            )
+        previous = entry
+
+
+def _unique_names(where: str) -> Callable[[List[Tuple[str, Any]]], Dict[str, Any]]:
+    """A JSON ``object_pairs_hook`` refusing an object that names a key twice (``json`` would
+    keep the last value silently)."""
+
+    def pairs(items: List[Tuple[str, Any]]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise ValueError(f"{where} names {key!r} twice in one JSON object (a JSON parser would keep only the last)")
+            out[key] = value
+        return out
+
+    return pairs
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _a(value: object) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
