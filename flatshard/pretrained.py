@@ -103,10 +103,10 @@ def load_pretrained(
     """
     target = model if isinstance(model, nn.Module) else []
     with guarded_call(target, _WHAT, clears=True):  # ([Note: one guarded path] in _comm/_guard)
-        return _load_pretrained(model, checkpoint, rename, strict)
+        return _load_pretrained(model, checkpoint, rename, strict, verify)
 
 
-def _load_pretrained(model: nn.Module, checkpoint: Any, rename: Optional[Callable[[str], Optional[str]]], strict: bool) -> IncompatibleKeys:
+def _load_pretrained(model: nn.Module, checkpoint: Any, rename: Optional[Callable[[str], Optional[str]]], strict: bool, verify: bool) -> IncompatibleKeys:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{_WHAT}: model must be an nn.Module; got {type(model).__name__}")
     if not isinstance(checkpoint, (str, os.PathLike)):
