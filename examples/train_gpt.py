@@ -255,7 +255,6 @@ def train(args: argparse.Namespace) -> None:
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)  # (what torchrun says: this host runs all the ranks)
     timeout = timedelta(seconds=args.timeout)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
     try:
@@ -284,7 +283,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--strategy", choices=[s.name for s in ShardingStrategy], default="FULL_SHARD",
         help="HYBRID_SHARD / _HYBRID_SHARD_ZERO2: shard within each node, replicate across nodes (the node size is "
-        "the launcher's LOCAL_WORLD_SIZE; started without torchrun, all --nproc ranks are one node)",
+        "the launcher's LOCAL_WORLD_SIZE; started without torchrun, the ranks of each host, here all --nproc ranks)",
     )
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks to start when not under torchrun")
     p.add_argument("--seed", type=int, default=0)

@@ -99,8 +99,6 @@ CASES = {
     "device_id_type": _option(device_id=1.5),
     "device_id_cuda_missing": _option(device_id=0),
     "group_and_mesh": _group_and_mesh,
-    "hybrid": _option(sharding_strategy=ShardingStrategy.HYBRID_SHARD),
-    "hybrid_zero2": _option(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2),
     "group_pair": _group_pair,
     "mesh_2d": lambda: ShardedDataParallel(Pair(), device_mesh=init_device_mesh("cpu", (1, 1))),
     "hybrid_1d_mesh": lambda: ShardedDataParallel(Pair(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (1,))),
@@ -219,13 +217,11 @@ class ErrorTest(TestCase):
         for case, message in expected.items():
             self.assertEqual(self.error(case), f"NotImplementedError: {message}", case)
 
-    def test_hybrid_sharding_needs_two_groups_or_the_launchers_ranks_per_node(self):
-        # (the pool's ranks are not started by torchrun: no LOCAL_WORLD_SIZE)
+    def test_hybrid_sharding_groups_given_in_the_wrong_form(self):
+        # (hybrid sharding without groups builds: see tests/test_node_groups.py)
         self.assertExpectedInline(
-            "\n".join(self.error(case) for case in ("hybrid", "hybrid_zero2", "group_pair", "mesh_2d", "hybrid_1d_mesh")),
+            "\n".join(self.error(case) for case in ("group_pair", "mesh_2d", "hybrid_1d_mesh")),
             """\
-ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
-ValueError: sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2 without process_group or device_mesh shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, which is not set: launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)
 ValueError: process_group as a (shard_group, replicate_group) pair needs sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2
 ValueError: a 2-D device_mesh is for hybrid sharding (sharding_strategy=HYBRID_SHARD or _HYBRID_SHARD_ZERO2); pass a 1-D mesh
 ValueError: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs a 2-D device_mesh (replicate, shard); got a 1-D one""",

@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from expecttest import TestCase
 
 import flatshard
 from flatshard import ShardedDataParallel, ShardingStrategy
-from tests._models import Block, Layer, build, sample_transformer
+from tests._models import Block, Layer, build, error_text, sample_transformer
 from tests.test_auto_wrap import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,30 +131,46 @@ def _hand_split_tie():
     return module
 
 
-def _wrapper_error(rank, world_size, case):
+def _wrapper_error(rank, world_size):
     try:
-        if case == "hybrid":
-            ShardedDataParallel(build(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
-        else:
-            ShardedDataParallel(_hand_split_tie(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+        ShardedDataParallel(_hand_split_tie(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
 
 
-def _plan_error(rank, world_size, case):
+def _plan_error(rank, world_size):
     try:
-        if case == "hybrid":
-            flatshard.plan(build(), flatshard.ModuleWrapPolicy({Block}), world_size=2, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
-        else:
-            flatshard.plan(_hand_split_tie(), flatshard.ModuleWrapPolicy({Block}), world_size=2)
+        flatshard.plan(_hand_split_tie(), flatshard.ModuleWrapPolicy({Block}), world_size=2)
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc)
+
+
+def _hybrid_plan_and_wrapper(rank, world_size):
+    """The wrapper without a launcher, on two hosts of two ranks (host names patched), against
+    the plan told the node size."""
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": "2"}):
+        planned = flatshard.plan(build(), flatshard.ModuleWrapPolicy({Block}), world_size=world_size, sharding_strategy=ShardingStrategy.HYBRID_SHARD, print_table=False)
+    with mock.patch.dict(os.environ), mock.patch("socket.gethostname", return_value="ab"[rank // 2]):
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        model = ShardedDataParallel(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    return _layout_of_plan(planned), _layout_of_model(model), [u.world_size for u in planned.units]
 
 
 class PlanRefusesWhatTheWrapperRefusesTest(TestCase):
     def test_same_errors(self):
-        for case in ("hybrid", "hand_split_tie"):
-            wrapper = self.pool.run(_wrapper_error, 1, case)[0]
-            planned = self.pool.run(_plan_error, 1, case)[0]
-            self.assertIsNotNone(wrapper, case)
-            self.assertEqual(planned, wrapper, case)
+        wrapper = self.pool.run(_wrapper_error, 1)[0]
+        planned = self.pool.run(_plan_error, 1)[0]
+        self.assertIsNotNone(wrapper)
+        self.assertEqual(planned, wrapper)
+
+    def test_hybrid_sharding_without_groups_needs_the_node_size_in_the_plan_only(self):
+        # (the wrapper compares the ranks' host names; the plan has no ranks to compare)
+        planned, wrapped, sizes = self.pool.run(_hybrid_plan_and_wrapper, 4)[0]
+        self.assertEqual(planned, wrapped)
+        self.assertEqual(sizes, [2] * len(sizes))
+        with mock.patch.dict(os.environ):
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            self.assertExpectedInline(
+                error_text(lambda: flatshard.plan(build(), flatshard.ModuleWrapPolicy({Block}), world_size=2, sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError),
+                """flatshard.plan: sharding_strategy=ShardingStrategy.HYBRID_SHARD without process_group or device_mesh shards within each node, and the plan, made without a process group, cannot compare the ranks' host names: set LOCAL_WORLD_SIZE to the ranks per node (torchrun sets it), or pass a policy that gives the units process_group=(shard_group, replicate_group)""",
+            )

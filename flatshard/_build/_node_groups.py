@@ -3,12 +3,18 @@
 [Note: groups per node] ``HYBRID_SHARD`` (and ``_HYBRID_SHARD_ZERO2``) without
 ``process_group`` or ``device_mesh`` shards each unit over the ranks of one node and averages
 the gradient shards over the ranks that hold the same shard on the other nodes, as FSDP1 does by
-default. flatshard learns the ranks per node from the launcher's ``LOCAL_WORLD_SIZE`` (torchrun
-sets it; so can a SLURM script), and relies on torchrun's numbering: the ranks of node ``n`` are
-``n * L ... n * L + L - 1``. Where ``GROUP_RANK`` (torchrun's node index) says otherwise, or
-``L`` does not divide the world, or nothing says ``L``, construction raises instead of guessing;
-ranks that disagree on ``L`` raise too (one constant-size comparison), all before any group is
-made, so no rank is left waiting in ``new_group``.
+default. FSDP1 takes the node size from the number of GPUs the machine has; flatshard takes it
+from the launcher's ``LOCAL_WORLD_SIZE`` where one sets it (torchrun; a SLURM script may), and
+relies on torchrun's numbering: the ranks of node ``n`` are ``n * L ... n * L + L - 1``. Where
+no launcher says (ranks started by ``torch.multiprocessing.spawn``), the ranks compare host
+names and each host is a node, whatever its ranks' numbers (see [Note: ranks by host] in
+``_host_layout``). The ranks always compare hosts (one all-gather of one integer per rank), and
+``LOCAL_WORLD_SIZE`` must agree with them: no node across two hosts.
+
+Where ``GROUP_RANK`` (torchrun's node index) disagrees with the numbering, ``L`` does not divide
+the world, a node spans hosts or the hosts have different numbers of ranks, construction
+raises instead of guessing; ranks that disagree on ``L`` raise too (one constant-size
+comparison), all before any group is made, so no rank is left waiting in ``new_group``.
 
 Every unit with default groups uses the same two groups, also units built by separate
 constructor calls (blocks wrapped by hand, then the root): the groups carry a description
@@ -45,9 +51,10 @@ from .._comm._collectives import (
 from .._base._common import coerce_enum
 from .._comm._host_checks import takes_cpu_tensors
 from .._base._options import ConstructionOptions
+from ._host_layout import HostLayout, host_digest, host_name, layout_by_host, layout_by_launcher
 from ..api import ShardingStrategy
 
-__all__ = ["NodeGroups", "node_groups", "ranks_per_node"]
+__all__ = ["NodeGroups", "launcher_ranks_per_node", "node_groups", "ranks_per_node"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -55,64 +62,76 @@ _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 def node_groups(strategy: ShardingStrategy, device: torch.device, guard: Optional[Any] = None) -> Tuple[ProcessGroup, ProcessGroup]:
     """(this rank's node's group, the group of the ranks at its place on every node), over the
     default group (see [Note: groups per node]). Collective: every rank calls it. ``device``:
-    where the ranks' comparison runs under a backend without CPU tensors (NCCL); ``guard``: the
+    where the ranks' comparisons run under a backend without CPU tensors (NCCL); ``guard``: the
     constructor's (its collectives are part of the constructor's call)."""
     require_initialized()
     world, rank = size_of(default_group()), global_rank()
-    per_node: Optional[int] = None
-    error: Optional[ValueError] = None
-    try:
-        per_node = ranks_per_node(strategy, world, rank)
-    except ValueError as exc:
-        error = exc
     comm = Communicator(default_group(), guard)
     where = torch.device("cpu") if takes_cpu_tensors(default_group()) else device
+    hosts = comm.gather_ints(host_digest(), where)  # (before anything can fail: every rank takes part)
+    layout: Optional[HostLayout] = None
+    error: Optional[ValueError] = None
+    try:
+        layout = _layout(strategy, world, rank, hosts)
+    except ValueError as exc:
+        error = exc
     raise_on_every_rank(
         [comm], error,
         f"sharding_strategy=ShardingStrategy.{strategy.name}: no node groups were made, because rank {{rank}}'s "
         f"launcher settings do not fit (see its error)",
         where,
     )
-    if per_node is None:
-        raise AssertionError(f"[rank {rank}] node groups: no ranks per node and no error")
+    if layout is None:
+        raise AssertionError(f"[rank {rank}] node groups: no layout and no error")
     timeout = timeout_of(default_group())
-    description = f"flatshard node groups, {per_node} ranks per node, timeout {timeout.total_seconds():g} s"
-    found = _registered(description, rank, per_node, world)
-    if not comm.agree(fingerprint(f"{per_node} {found is not None}"), where):
+    description = f"flatshard node groups, {layout.per_node} ranks per node, timeout {timeout.total_seconds():g} s"
+    found = _registered(description, layout.groups_of(rank))
+    if not comm.agree(fingerprint(f"{layout.describe()} {found is not None}"), where):
+        launcher = os.environ.get("LOCAL_WORLD_SIZE")
         raise ValueError(
             f"[rank {rank}] sharding_strategy=ShardingStrategy.{strategy.name} without process_group: the ranks "
-            f"disagree on LOCAL_WORLD_SIZE (this rank: {per_node}) or on which node groups they made before; every "
-            f"rank must see the same LOCAL_WORLD_SIZE"
+            f"disagree on LOCAL_WORLD_SIZE (this rank: {'not set' if launcher is None else layout.per_node}) or on "
+            f"which node groups they made before; every rank must see the same LOCAL_WORLD_SIZE"
         )
-    return found if found is not None else _make(description, rank, per_node, world, timeout)
+    return found if found is not None else _make(description, layout, rank, timeout)
 
 
-def _registered(description: str, rank: int, per_node: int, world: int) -> Optional[Tuple[ProcessGroup, ProcessGroup]]:
-    """This rank's node groups if an earlier call made them (and they are still alive)."""
-    wanted = (list(range(rank - rank % per_node, rank - rank % per_node + per_node)), list(range(rank % per_node, world, per_node)))
+def _layout(strategy: ShardingStrategy, world: int, rank: int, hosts: List[int]) -> HostLayout:
+    """The launcher's nodes checked against the hosts, or the hosts' where no launcher says."""
+    what = f"[rank {rank}] sharding_strategy=ShardingStrategy.{strategy.name} without process_group or device_mesh"
+    where = f"this rank is on {host_name()!r}"
+    per_node = launcher_ranks_per_node(strategy, world, rank)
+    if per_node is None:
+        return layout_by_host(hosts, what, where, _GROUPS_HINT)
+    return layout_by_launcher(per_node, hosts, what, where, _GROUPS_HINT)
+
+
+def _registered(description: str, wanted: Tuple[List[int], List[int]]) -> Optional[Tuple[ProcessGroup, ProcessGroup]]:
+    """This rank's node groups if an earlier call made them (and they are still alive); each
+    group plays one part (with one rank, both groups hold the same ranks)."""
     mine: List[Optional[ProcessGroup]] = [None, None]
     for group in registered_groups():
         if getattr(group, "group_desc", None) != description:
             continue
         ranks = dist.get_process_group_ranks(group)
-        for i, expected in enumerate(wanted):
-            if ranks == expected and mine[i] is None:
-                mine[i] = group
+        part = next((i for i, expected in enumerate(wanted) if ranks == expected and mine[i] is None), None)
+        if part is not None:
+            mine[part] = group
     shard, replicate = mine
     return (shard, replicate) if shard is not None and replicate is not None else None
 
 
-def _make(description: str, rank: int, per_node: int, world: int, timeout: Any) -> Tuple[ProcessGroup, ProcessGroup]:
+def _make(description: str, layout: HostLayout, rank: int, timeout: Any) -> Tuple[ProcessGroup, ProcessGroup]:
     shard: Optional[ProcessGroup] = None
     replicate: Optional[ProcessGroup] = None
-    for n in range(world // per_node):
-        group = _new_group(list(range(n * per_node, (n + 1) * per_node)), timeout, description)
-        shard = group if n == rank // per_node else shard
-    for place in range(per_node):
-        group = _new_group(list(range(place, world, per_node)), timeout, description)
-        replicate = group if place == rank % per_node else replicate
+    for node in layout.nodes:
+        group = _new_group(list(node), timeout, description)
+        shard = group if rank in node else shard
+    for place in layout.places:
+        group = _new_group(list(place), timeout, description)
+        replicate = group if rank in place else replicate
     if shard is None or replicate is None:
-        raise AssertionError(f"[rank {rank}] no node group made for rank {rank} of {world} (per node: {per_node})")
+        raise AssertionError(f"[rank {rank}] no node group made for rank {rank} in nodes {layout.describe()}")
     return shard, replicate
 
 
@@ -123,18 +142,18 @@ def _new_group(ranks: List[int], timeout: Any, description: str) -> ProcessGroup
         return dist.new_group(ranks, timeout=timeout)
 
 
-def ranks_per_node(strategy: ShardingStrategy, world: int, rank: Optional[int] = None) -> int:
-    """``LOCAL_WORLD_SIZE``, checked against the world and (given ``rank``) the launcher's node
-    index ``GROUP_RANK``; raises ``ValueError`` naming what does not fit. Also the planner's
-    shard-group size for hybrid sharding without groups."""
+_GROUPS_HINT = "pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)"
+
+
+def launcher_ranks_per_node(strategy: ShardingStrategy, world: int, rank: Optional[int] = None) -> Optional[int]:
+    """``LOCAL_WORLD_SIZE`` (``None`` where it is not set), checked against the world and
+    (given ``rank``) the launcher's node index ``GROUP_RANK``; raises ``ValueError`` naming what
+    does not fit."""
     what = f"sharding_strategy=ShardingStrategy.{strategy.name} without process_group or device_mesh"
-    hint = "launch with torchrun, or pass process_group=(shard_group, replicate_group) or a 2-D device_mesh (replicate, shard)"
+    hint = f"launch with torchrun, or {_GROUPS_HINT}"
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     if raw is None:
-        raise ValueError(
-            f"{what} shards within each node, and the ranks per node come from the launcher's LOCAL_WORLD_SIZE, "
-            f"which is not set: {hint}"
-        )
+        return None
     if not raw.strip().isdigit() or int(raw) < 1:
         raise ValueError(f"{what}: LOCAL_WORLD_SIZE must be a positive integer (ranks per node); got {raw!r}")
     per_node = int(raw)
@@ -149,6 +168,21 @@ def ranks_per_node(strategy: ShardingStrategy, world: int, rank: Optional[int] =
             f"[rank {rank}] {what}: the launcher puts this rank on node {launcher_node} (GROUP_RANK), but with "
             f"LOCAL_WORLD_SIZE={per_node} rank {rank} would be on node {rank // per_node}: the ranks are not "
             f"numbered node by node ({hint})"
+        )
+    return per_node
+
+
+def ranks_per_node(strategy: ShardingStrategy, world: int) -> int:
+    """The planner's shard-group size for hybrid sharding without groups: ``LOCAL_WORLD_SIZE``,
+    checked as ``launcher_ranks_per_node`` does. The planner runs without a process group, so it
+    cannot compare the ranks' hosts: without ``LOCAL_WORLD_SIZE`` it raises ``ValueError``."""
+    per_node = launcher_ranks_per_node(strategy, world)
+    if per_node is None:
+        raise ValueError(
+            f"flatshard.plan: sharding_strategy=ShardingStrategy.{strategy.name} without process_group or device_mesh "
+            f"shards within each node, and the plan, made without a process group, cannot compare the ranks' host "
+            f"names: set LOCAL_WORLD_SIZE to the ranks per node (torchrun sets it), or pass a policy that gives the "
+            f"units process_group=(shard_group, replicate_group)"
         )
     return per_node
 
