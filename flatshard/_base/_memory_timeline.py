@@ -12,8 +12,9 @@ The profiler hears of an allocation or a free only on a thread that runs under i
 thread-local state: the thread that started it and those that inherit that state (autograd's,
 and gloo's worker threads while they run a collective). A tensor whose last reference goes
 on any other thread -- gloo's worker dropping a finished collective that held the only
-reference left to its input, or a Python thread -- was never seen freed, so everything after
-it read too high (up to a third on plain gloo). So the timeline does not add up the events'
+reference left to its tensors (on plain gloo, now and then, the last reduction of a backward:
+the unsharded gradient and its receive buffer), or a Python thread -- was never seen freed,
+and everything after it read that much too high. So the timeline does not add up the events'
 sizes: it reads the allocator's own running total, which each CPU event carries
 (``total_allocated``). The CPU allocator keeps that total, under its own lock, for every
 allocation and free on every thread while c10's flag ``caffe2_report_cpu_memory_usage`` is on
