@@ -1,12 +1,24 @@
-"""The allocation tracker used by memory tests (tests/_memory.py): single process, CPU."""
+"""The two memory meters: the allocation tracker used by memory tests (tests/_memory.py;
+single process, CPU) and the memory timeline of the planner's measure mode and the benchmarks
+(flatshard/_base/_memory_timeline.py, [Note: measuring memory]), whose allocations and frees
+count from every thread, gloo's worker threads included."""
 
 import gc
+import os
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+from expecttest import TestCase
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from flatshard._base._memory_timeline import MemoryTimeline, PhaseMemory
 from tests._memory import track_allocations
 
 MiB = 1 << 20
@@ -245,3 +257,171 @@ def test_tracker_holds_no_strong_references() -> None:
     del x
     assert storage_ref() is None
     assert tracker.live_bytes() == 0
+
+
+# -- the memory timeline ----------------------------------------------------------------------
+
+
+def _timeline() -> MemoryTimeline:
+    gc.collect()  # (nothing freed during the timeline is an earlier allocation)
+    return MemoryTimeline(torch.device("cpu"))
+
+
+def _on_another_thread(fn: Any) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def test_timeline_counts_a_free_on_another_thread() -> None:
+    held: List[torch.Tensor] = []
+    with _timeline() as timeline:
+        with timeline.phase("allocate"):
+            held.append(torch.empty(N))
+        with timeline.phase("free on another thread"):
+            _on_another_thread(held.clear)
+        with timeline.phase("allocate again"):
+            again = torch.empty(N)
+            del again
+    assert timeline.phases == {
+        "allocate": PhaseMemory(start=0, peak=MiB, end=MiB),
+        "free on another thread": PhaseMemory(start=MiB, peak=MiB, end=0),
+        "allocate again": PhaseMemory(start=0, peak=MiB, end=0),
+    }, timeline.phases
+
+
+def test_timeline_counts_a_free_on_another_thread_between_phases() -> None:
+    held: List[torch.Tensor] = []
+    with _timeline() as timeline:
+        with timeline.phase("allocate"):
+            held.append(torch.empty(N))
+        _on_another_thread(held.clear)
+        with timeline.phase("nothing"):
+            pass
+    assert timeline.phases["nothing"] == PhaseMemory(start=0, peak=0, end=0), timeline.phases
+
+
+def test_timeline_counts_an_allocation_on_another_thread() -> None:
+    held: List[torch.Tensor] = []
+    with _timeline() as timeline:
+        with timeline.phase("allocate on another thread"):
+            _on_another_thread(lambda: held.append(torch.empty(2 * N)))
+        with timeline.phase("free"):
+            held.clear()
+    assert timeline.phases == {
+        "allocate on another thread": PhaseMemory(start=0, peak=2 * MiB, end=2 * MiB),
+        "free": PhaseMemory(start=2 * MiB, peak=2 * MiB, end=0),
+    }, timeline.phases
+
+
+def test_timeline_counts_resizes_and_not_what_was_allocated_before() -> None:
+    before = torch.empty(N)
+    with _timeline() as timeline:
+        with timeline.phase("resize"):
+            grown = torch.empty(0)
+            grown.untyped_storage().resize_(2 * MiB)
+            grown.untyped_storage().resize_(0)
+            del before  # allocated before the timeline: neither it nor its freeing counts
+    assert timeline.phases["resize"] == PhaseMemory(start=0, peak=2 * MiB, end=0), timeline.phases
+
+
+def test_timeline_leaves_the_allocators_flag_as_it_found_it() -> None:
+    from flatshard._base._memory_timeline import _cpu_report_flag
+
+    flag = _cpu_report_flag()
+    assert not flag.value
+    with pytest.raises(ValueError, match="boom"):
+        with _timeline():
+            assert flag.value  # (counting on every thread while the timeline runs)
+            raise ValueError("boom")
+    assert not flag.value
+    flag.value = True  # (as something else turned it on)
+    try:
+        with _timeline() as timeline:
+            with timeline.phase("allocate"):
+                x = torch.empty(N)
+                del x
+        assert flag.value
+        with pytest.raises(RuntimeError) as raised:
+            with _timeline():
+                flag.value = False
+    finally:
+        flag.value = False
+    assert timeline.phases["allocate"] == PhaseMemory(start=0, peak=MiB, end=0), timeline.phases
+    assert str(raised.value) == (
+        "c10's flag FLAGS_caffe2_report_cpu_memory_usage was turned off by other code while this MemoryTimeline ran: "
+        "frees on other threads may have gone uncounted"
+    )
+
+
+def _freed_by_gloo(rank: int, world_size: int) -> Tuple[Dict[str, PhaseMemory], bool]:
+    """Rank 0 drops the tensor it all-reduces right after issuing it, while the collective
+    waits for rank 1 (which joins late): its last reference is the work's, which gloo's
+    worker thread drops when the collective completes. Returns the phases and whether the
+    tensor was freed on a thread other than the main one."""
+    main = threading.get_ident()
+    freed_on: List[int] = []
+    with _timeline() as timeline:
+        with timeline.phase("issue"):
+            if rank == 1:
+                time.sleep(0.5)
+            sent = torch.ones(N)
+            weakref.finalize(sent, lambda: freed_on.append(threading.get_ident()))
+            dist.all_reduce(sent, async_op=True)  # (the work, dropped at once, holds `sent`)
+            del sent
+        deadline = time.monotonic() + 60
+        while not freed_on and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # (the finalizer runs as the tensor goes; its storage goes right after)
+        with timeline.phase("after"):
+            fresh = torch.empty(N)
+            del fresh
+    return timeline.phases, bool(freed_on) and freed_on[0] != main
+
+
+def _gloo_training(rank: int, world_size: int, steps: int) -> Dict[str, Any]:
+    """A model trained on plain gloo (no shared-memory exchange): what the timeline says a rank
+    holds after each step, and each step's peaks, beside the rank's shards and optimizer state."""
+    from flatshard import ShardedDataParallel
+    from flatshard.wrap import ModuleWrapPolicy
+    from tests._scale_run import Block, Decoder, _init, example_tokens, lm_loss
+
+    with mock.patch.dict(os.environ, {"FLATSHARD_SHARED_MEMORY": "0"}):
+        with torch.device("meta"):
+            meta = Decoder()
+        tokens = example_tokens()
+        with _timeline() as timeline:
+            model = ShardedDataParallel(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=_init)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for step in range(steps):
+                with timeline.phase(f"forward {step}"):
+                    loss = lm_loss(model(tokens))
+                with timeline.phase(f"backward {step}"):
+                    loss.backward()
+                    del loss
+                with timeline.phase(f"optimizer step {step}"):
+                    optim.step()
+                    optim.zero_grad(set_to_none=True)
+    shards = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t))
+    return {"phases": timeline.phases, "shards_and_state": shards + state}
+
+
+class TimelineOnGlooTest(TestCase):
+    def test_a_tensor_freed_by_gloos_worker_thread_is_counted(self) -> None:
+        results = self.pool.run(_freed_by_gloo, 2)
+        phases, freed_elsewhere = results[0]
+        self.assertTrue(freed_elsewhere, "rank 0's tensor was freed on its main thread: the test no longer exercises a free on gloo's thread")
+        self.assertEqual(phases["issue"], PhaseMemory(start=0, peak=MiB, end=MiB))  # (still held by the collective)
+        for rank, (phases, _) in enumerate(results):
+            self.assertEqual(phases["after"], PhaseMemory(start=0, peak=MiB, end=0), f"rank {rank}")
+
+    def test_training_on_plain_gloo_each_step_ends_holding_the_shards_and_optimizer_state(self) -> None:
+        steps = 4
+        for rank, result in enumerate(self.pool.run(_gloo_training, 2, steps)):
+            phases = result["phases"]
+            for step in range(steps):
+                self.assertEqual(phases[f"optimizer step {step}"].end, result["shards_and_state"], f"rank {rank} step {step}")
+            for phase in ("forward", "backward", "optimizer step"):
+                peaks = [phases[f"{phase} {step}"].peak for step in range(1, steps)]
+                self.assertEqual(len(set(peaks)), 1, f"rank {rank}: {phase} peaks of steps 1..{steps - 1} differ: {peaks}")

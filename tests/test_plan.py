@@ -10,9 +10,10 @@ from unittest import mock
 
 import torch
 from expecttest import TestCase
+from torch import nn
 
 import flatshard
-from flatshard import ShardedDataParallel, ShardingStrategy
+from flatshard import MixedPrecision, ShardedDataParallel, ShardingStrategy
 from tests._models import Block, Layer, build, error_text, sample_transformer
 from tests.test_auto_wrap import POLICIES
 
@@ -54,7 +55,39 @@ def _agree_with_hand_wrapped_units(rank, world_size):
     return _layout_of_plan(planned), _layout_of_model(model)
 
 
+def _precision_of_plan(plan):
+    return [(u.name, [(str(g.compute_dtype), str(g.reduce_dtype), str(g.grad_dtype)) for g in u.groups]) for u in plan.units]
+
+
+def _precision_of_model(model):
+    return [(m._unit.name, [(str(h.compute_dtype), str(h.reduce_dtype), str(h.grad_dtype)) for h in m.handles]) for m in ShardedDataParallel.fsdp_modules(model)]
+
+
+def _normed_net():
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+
+def _agree_under_mixed_precision(rank, world_size, keep_low_precision_grads):
+    """With mixed precision at the root: the same units (a BatchNorm one of its own, in full
+    precision) and every FlatParameter's compute, reduce and gradient dtypes."""
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=keep_low_precision_grads)
+    policy = flatshard.ModuleWrapPolicy({nn.Linear})
+    planned = flatshard.plan(_normed_net(), policy, world_size=world_size, mixed_precision=mp, print_table=False)
+    model = ShardedDataParallel(_normed_net(), auto_wrap_policy=policy, mixed_precision=mp)
+    return (_layout_of_plan(planned), _precision_of_plan(planned)), (_layout_of_model(model), _precision_of_model(model))
+
+
 class PlanAgreesWithWrapperTest(TestCase):
+    def test_mixed_precision_at_the_root(self):
+        for keep in (False, True):
+            planned, built = self.pool.run(_agree_under_mixed_precision, 2, keep)[0]
+            self.assertEqual(planned, built, keep)
+        self.assertEqual([name for name, _ in planned[1]], ["", "0", "1", "2"])
+        self.assertEqual(
+            [groups for _, groups in planned[1]][1:],
+            [[("torch.bfloat16", "torch.float32", "torch.bfloat16")], [("torch.float32", "torch.float32", "torch.float32")], [("torch.bfloat16", "torch.float32", "torch.bfloat16")]],
+        )
+
     def test_every_policy_and_frozen_mixed_groups(self):
         cases = [(name, {}) for name in POLICIES] + [("transformer", {"frozen_attention": True, "float64_gain": True})]
         for name, options in cases:

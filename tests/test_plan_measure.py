@@ -80,6 +80,47 @@ def test_the_prediction_for_another_world_size_is_within_ten_percent_of_measurin
         assert abs(predicted[phase] - there[phase][1]) <= 0.10 * there[phase][1], (phase, predicted[phase], there[phase][1])
 
 
+MIXED = ("--mixed-precision", "param_dtype=bfloat16,reduce_dtype=float32")
+
+
+@pytest.fixture(scope="module")
+def measured_mixed() -> Dict[int, str]:
+    return {8: _measure(8, "--at", "64", *MIXED), 64: _measure(64, *MIXED)}
+
+
+def _estimate(out: str) -> Dict[str, float]:
+    """The planner's estimate, by component (as printed)."""
+    line = next(l for l in out.splitlines() if l.startswith("estimated peak per rank"))
+    parts = re.findall(r"(?:= |\+ )([a-z][a-z ]*?) (\d+(?:\.\d+)? (?:B|KiB|MiB|GiB))", line)
+    return {name: _bytes(value) for name, value in parts}
+
+
+def test_with_mixed_precision_at_the_root_the_measurement_agrees_with_the_plan(measured_mixed):
+    out = measured_mixed[8]
+    assert "<root>    Decoder  FULL_SHARD       2    16,384   64.0 KiB   8.0 KiB  float32 as bfloat16 2p/16,384" in out, out
+    rows = _measured(out)
+    for name in ("parameter shards", "gradient shards", "between steps"):
+        assert _bytes(rows[name][0]) == rows[name][1], (name, rows[name])
+    predicted, there = _predicted(out, 64), _measured(measured_mixed[64])
+    assert predicted["parameter shards"] == there["parameter shards"][1], (predicted, there)
+    for phase in _PHASES:
+        assert abs(predicted[phase] - there[phase][1]) <= 0.10 * there[phase][1], (phase, predicted[phase], there[phase][1])
+
+
+def test_mixed_precision_changes_the_estimate_as_its_dtypes_say(measured, measured_mixed):
+    plain, mixed = _estimate(measured[8]), _estimate(measured_mixed[8])
+    assert set(plain) == {"parameter shards", "gradient shards", "gathered parameters", "unsharded gradient"}, plain
+    # the shards and their gradients stay float32; gathered in bfloat16; each unsharded gradient
+    # made in bfloat16 and copied to float32 for its reduction
+    assert mixed["parameter shards"] == plain["parameter shards"] and mixed["gradient shards"] == plain["gradient shards"], (plain, mixed)
+    assert mixed["gathered parameters"] == pytest.approx(plain["gathered parameters"] / 2, rel=1e-3), (plain, mixed)
+    assert mixed["unsharded gradient"] == pytest.approx(plain["unsharded gradient"] * 1.5, rel=1e-3), (plain, mixed)
+    # and the saving on gathered parameters is there in the measured forward (whose
+    # activations shrink too)
+    saved = _measured(measured[8])["forward peak"][1] - _measured(measured_mixed[8])["forward peak"][1]
+    assert saved >= plain["gathered parameters"] - mixed["gathered parameters"], (saved, plain, mixed)
+
+
 def _inside_a_process_group(rank: int, world_size: int) -> str:
     import flatshard
     from tests._scale_run import Decoder, example_tokens

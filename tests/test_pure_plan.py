@@ -7,14 +7,20 @@ tests/test_errors.py assert for the real wrapper on the rank pool, so the pure t
 planner against what the wrapper builds.
 """
 
+import contextlib
 import functools
+import inspect
+import io
+import types
 
 import torch
 from expecttest import TestCase
 from torch import nn
 
 import flatshard
-from flatshard import BackwardPrefetch, ShardingStrategy
+from flatshard import BackwardPrefetch, CPUOffload, MixedPrecision, ShardedDataParallel, ShardingStrategy
+from flatshard._base._options import OPTION_NAMES
+from flatshard.plan import main as plan_main
 from flatshard.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -262,6 +268,142 @@ class MemoryEstimateTest(TestCase):
         self.assertEqual(
             memory,
             {"parameter shards": 8 + 12 + 40, "gradient shards": 60, "gathered parameters": 16 + 104 + 24, "unsharded gradient": 80},
+        )
+
+
+class Normed(nn.Module):
+    """lin: Linear(4, 4) (20 elements), norm: BatchNorm1d(4) (8), which MixedPrecision keeps in
+    full precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+
+class MixedPrecisionPlanTest(TestCase):
+    """``plan(mixed_precision=...)``: the root and every unit gather and compute in
+    ``param_dtype`` (see [Note: peak estimate] and [Note: the planner's options]). Toy at
+    world size 2 as in MemoryEstimateTest; the shards stay float32."""
+
+    def memory(self, model, policy, world_size=2, **options):
+        return dict(plan(model, policy, world_size, **options).memory())
+
+    def test_the_root_gathers_in_param_dtype(self):
+        # no policy: one unit, the root, of 33 elements padded to 34 (17 per rank)
+        self.assertEqual(
+            self.memory(Toy(), None),
+            {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 136, "unsharded gradient": 136},
+        )
+        self.assertEqual(
+            self.memory(Toy(), None, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
+            {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 68, "unsharded gradient": 68},
+        )
+
+    def test_every_unit_with_a_reduce_dtype_and_with_low_precision_gradients(self):
+        # gathered: the root (4 elements) + a (20, computing) + b (10, prefetched), in float16
+        reduced = self.memory(Toy(), LINEARS, mixed_precision=MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32))
+        # a's gradient in float16, and its float32 copy for the reduction
+        self.assertEqual(reduced, {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 8 + 40 + 20, "unsharded gradient": 20 * (2 + 4)})
+        kept = self.memory(Toy(), LINEARS, mixed_precision=MixedPrecision(param_dtype=torch.float16, keep_low_precision_grads=True))
+        self.assertEqual(kept, {"parameter shards": 68, "gradient shards": 34, "gathered parameters": 68, "unsharded gradient": 40})
+
+    def test_unsharded_units_compute_on_a_cast_copy_kept_into_backward(self):
+        mixed = self.memory(Toy(), LINEARS, sharding_strategy=ShardingStrategy.NO_SHARD, mixed_precision=MixedPrecision(param_dtype=torch.float16))
+        self.assertEqual(mixed, {"parameter shards": 132, "gradient shards": 132, "gathered parameters": 6 + 40 + 20, "unsharded gradient": 40})
+        # (original parameters need the copy too; without them or mixed precision, a unit
+        # computes on its FlatParameter: see test_no_shard_and_one_rank_keep_everything_whole)
+        orig = self.memory(Toy(), LINEARS, sharding_strategy=ShardingStrategy.NO_SHARD, use_orig_params=True)
+        self.assertEqual(orig, {"parameter shards": 132, "gradient shards": 132, "gathered parameters": 12 + 80 + 40, "unsharded gradient": 80})
+
+    def test_the_table_says_what_each_group_computes_in_and_batch_norm_keeps_full_precision(self):
+        planned = plan(Normed(), ModuleWrapPolicy({nn.Linear}), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+        self.assertExpectedInline(str(planned), """\
+flatshard plan: 3 units, world size 2
+unit    module       strategy    params  elements  full  per rank  flat parameters
+<root>  Normed       FULL_SHARD       0         0   0 B       0 B  -
+lin     Linear       FULL_SHARD       2        20  80 B      40 B  float32 as bfloat16 2p/20
+norm    BatchNorm1d  FULL_SHARD       2         8  32 B      16 B  float32 2p/8
+estimated peak per rank (parameters + gradients): 224 B = parameter shards 56 B + gradient shards 56 B + gathered parameters 72 B + unsharded gradient 40 B""")
+
+    def test_cpu_offload_without_offloading_parameters_changes_nothing(self):
+        self.assertEqual(self.memory(Toy(), LINEARS, cpu_offload=CPUOffload(offload_params=False)), self.memory(Toy(), LINEARS))
+
+
+class PlannerOptionsTest(TestCase):
+    """``plan`` takes every constructor option, with the constructor's defaults, and refuses
+    those it cannot honour by name ([Note: the planner's options])."""
+
+    def test_every_constructor_option_with_its_default(self):
+        planner = inspect.signature(flatshard.plan.plan).parameters
+        constructor = inspect.signature(ShardedDataParallel.__init__).parameters
+        self.assertEqual([name for name in OPTION_NAMES if name not in planner], [])
+        self.assertEqual({name: planner[name].default for name in OPTION_NAMES}, {name: constructor[name].default for name in OPTION_NAMES})
+
+    def test_options_it_cannot_honour_are_refused_by_name(self):
+        def error(policy=None, **options):
+            try:
+                plan(Pair(), policy, **options)
+            except NotImplementedError as exc:
+                return str(exc)
+            return "nothing raised"
+
+        def offload_a(module):
+            return {"cpu_offload": CPUOffload(offload_params=True)} if isinstance(module, nn.Linear) else False
+
+        self.assertExpectedInline(
+            "\n".join([
+                error(process_group="group"),
+                error(device_mesh=types.SimpleNamespace(ndim=1)),
+                error(device_id=0),
+                error(cpu_offload=CPUOffload(offload_params=True)),
+                error(CustomPolicy(offload_a)),
+            ]),
+            """\
+flatshard.plan does not support process_group='group': the planner needs no process group: world_size gives the number of ranks to shard over
+flatshard.plan does not support device_mesh=namespace(ndim=1): the planner needs no device mesh: world_size gives the number of ranks to shard over
+flatshard.plan does not support device_id=0: the planner needs no device: device= (with measure=True) says where a measurement runs
+flatshard.plan does not support cpu_offload=CPUOffload(offload_params=True): it keeps the shards and their gradients in host memory, which the estimate does not tell from the device's
+flatshard.plan does not support cpu_offload=CPUOffload(offload_params=True) (a CustomPolicy's, for the unit at 'a'): it keeps the shards and their gradients in host memory, which the estimate does not tell from the device's""",
+        )
+
+
+def _run_main(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            plan_main(list(argv))
+        except SystemExit as exc:
+            return f"exit {exc.code}: {err.getvalue().splitlines()[-1]}"
+    return out.getvalue()
+
+
+class MixedPrecisionCommandLineTest(TestCase):
+    def test_mixed_precision_flag(self):
+        self.assertExpectedInline(
+            _run_main("tests._models:sample_transformer", "--transformer-layer", "tests._models:Layer",
+                      "--mixed-precision", "param_dtype=bfloat16,reduce_dtype=float32"), """\
+flatshard plan: 3 units, world size 2
+unit      module             strategy    params  elements     full  per rank  flat parameters
+<root>    SampleTransformer  FULL_SHARD       3       120    480 B     240 B  float32 as bfloat16 3p/120
+layers.0  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 as bfloat16 15p/592
+layers.1  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 as bfloat16 15p/592
+tied parameters:
+  embed.weight = head.weight  ->  <root>
+estimated peak per rank (parameters + gradients): 11.1 KiB = parameter shards 2.5 KiB + gradient shards 2.5 KiB + gathered parameters 2.5 KiB + unsharded gradient 3.5 KiB
+""")
+
+    def test_bad_mixed_precision_flags(self):
+        model = "tests._models:sample_transformer"
+        self.assertExpectedInline(
+            "\n".join(_run_main(model, "--mixed-precision", value) for value in (
+                "bfloat16", "param_dtype=int8", "keep_low_precision_grads=yes", "param_dtype=float16,param_dtype=bfloat16",
+            )),
+            """\
+exit 2: python -m flatshard.plan: error: --mixed-precision: expected FIELD=VALUE with FIELD one of param_dtype, reduce_dtype, buffer_dtype, keep_low_precision_grads, cast_forward_inputs, cast_root_forward_inputs; got 'bfloat16'
+exit 2: python -m flatshard.plan: error: --mixed-precision: param_dtype must name a floating-point torch dtype (such as bfloat16); got 'int8'
+exit 2: python -m flatshard.plan: error: --mixed-precision: keep_low_precision_grads must be true or false; got 'yes'
+exit 2: python -m flatshard.plan: error: --mixed-precision: param_dtype is given twice""",
         )
 
 

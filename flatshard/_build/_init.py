@@ -120,7 +120,7 @@ def build_unit(
     sharded = config.sharding_strategy is not ShardingStrategy.NO_SHARD
     if config.offload_params and not sharded and device.type != "cpu":
         raise NotImplementedError("cpu_offload=CPUOffload(offload_params=True) with sharding_strategy=NO_SHARD on a non-CPU device is not supported")
-    config, precision = _precision(config, module)
+    config, precision = unit_precision(config, module)
     handles = [
         FlatParamHandle(
             members, module, device, group, sharded, _attr_name(i), options.sync_module_states, replicate_group,
@@ -162,7 +162,7 @@ def _check_same_mode(config: UnitConfig, nested: Sequence[Tuple[str, Unit]], nam
             )
 
 
-def _precision(config: UnitConfig, module: nn.Module) -> Tuple[UnitConfig, Optional[Precision]]:
+def unit_precision(config: UnitConfig, module: nn.Module) -> Tuple[UnitConfig, Optional[Precision]]:
     """The unit's mixed precision: none for modules MixedPrecision keeps in full precision
     (BatchNorm), which compute in their parameters' dtype instead."""
     mp = config.mixed_precision

@@ -90,7 +90,7 @@ def _add_full_precision_units(
     root: nn.Module, options: ConstructionOptions, targets: Dict[nn.Module, Dict[str, Any]], ignored: Ignored
 ) -> None:
     """With mixed precision and a policy, the module classes MixedPrecision keeps in full
-    precision (BatchNorm) become units of their own, as FSDP1 wraps them (see ``_init._precision``)."""
+    precision (BatchNorm) become units of their own, as FSDP1 wraps them (see ``_init.unit_precision``)."""
     mp = coerce_config(options.mixed_precision, MixedPrecision, "mixed_precision")
     if options.auto_wrap_policy is None or mp is None or not _casts(mp):
         return

@@ -122,8 +122,10 @@ def measure_rank(
     steps: int,
     device: torch.device,
 ) -> Measurement:
-    """Wrap a copy of ``module`` as rank ``rank`` of ``world_size`` on the fake process group
-    and train ``steps`` steps; see [Note: measuring a plan]. Needs no process group to exist."""
+    """Wrap a copy of ``module`` as rank ``rank`` of ``world_size`` on the fake process group,
+    with the constructor arguments ``wrap_kwargs`` (a meta model without a ``param_init_fn``
+    gets ``_init_for_measuring``'s), and train ``steps`` steps; see [Note: measuring a plan].
+    Needs no process group to exist."""
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "plan(measure=True) runs this process as one rank of world_size on torch's fake process group, "
@@ -138,7 +140,7 @@ def measure_rank(
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     kwargs = dict(wrap_kwargs)
-    if any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+    if kwargs.get("param_init_fn") is None and any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         kwargs["param_init_fn"] = _init_for_measuring(device)
     if device.type == "cuda":
         kwargs["device_id"] = device
