@@ -18,7 +18,7 @@ the model's sharded state dict (``"model"``), the optimizer's (``"optim"``), the
 never loads). When DCP has written every rank's files and its ``.metadata``, the ranks
 checksum them (each a share of the files) and rank 0 writes ``flatshard-checkpoint.json`` (the
 manifest: step, world size, every file's size and CRC-32, and the publish sequence: one more
-than the largest in the directory), fsyncs it and the directory, renames the directory to a
+than the largest among the published ones), fsyncs it and the directory, renames the directory to a
 name no directory has -- ``step-N``, or ``step-N.1`` (``.2``, ...) where a checkpoint of step N
 is there already -- and fsyncs the parent directory. A rename within one filesystem is atomic,
 so a process killed at any moment leaves the new checkpoint either complete under its published
@@ -60,8 +60,8 @@ published directory:
 3. a new checkpoint published as ``step-N.R`` is renamed to ``step-N`` (free since step 2),
    fsynced. Killed before that, it stays a complete checkpoint under ``step-N.R``.
 
-Leftovers (``.partial-``, ``.deleting-``) are never the newest complete checkpoint, so the next
-save deletes them before it writes. Directories without a readable manifest are never counted
+Leftovers never hold the checkpoint the promise is about (a ``.partial-`` one was never
+published, a ``.deleting-`` one was replaced), so the next save deletes them before it writes. Directories without a readable manifest are never counted
 as complete, so ``keep`` never removes a complete checkpoint in favour of one.
 
 [Note: keeping the last K] After publishing, the oldest complete checkpoints beyond ``keep`` are
