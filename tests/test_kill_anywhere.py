@@ -6,7 +6,8 @@ complete, and one is left once one was saved -- also with ``--keep 1`` when the 
 replaces the only checkpoint: a ``resave`` round restarts from an older checkpoint (the
 uninterrupted run's, copied: ``--resume OLD --save DIR``), so that its first save is a step
 ``DIR`` holds already (or, every other such round, a smaller one), and kills rank 0 (which
-publishes and removes) while it writes or while it replaces the old checkpoint.
+publishes and removes) as soon as the checkpoint it replaces is renamed away, while it writes,
+or as soon as it is published.
 
 The ranks are started the way ``torchrun`` starts its workers (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` of a store the launcher hosts: here this test, on a port the OS
@@ -146,32 +147,45 @@ def _kill_moment(directory: Path, procs: List[subprocess.Popen], mode: str, run_
     return f"{time.monotonic() - start:.2f} s {where}" + ("" if alive() else " (the run had ended)")
 
 
-def _kill_in_first_save(directory: Path, procs: List[subprocess.Popen], when: str) -> str:
-    """The ``resave`` rounds' moment: while the first checkpoint of this launch is being
-    ``written``, or as soon as it is ``published`` (its ``.partial-`` directory renamed: rank 0
-    is removing the checkpoint it replaces)."""
+def _kill_in_first_save(directory: Path, procs: List[subprocess.Popen], when: str, replaced: Tuple[str, int]) -> str:
+    """The ``resave`` rounds' moment, in the first save of this launch: while it is being
+    ``written``; as soon as it is ``published`` (its ``.partial-`` directory renamed); as soon as
+    the checkpoint it replaces (``replaced``: path and inode) is ``removing`` (renamed away)."""
     before, start, alive = _partials(directory), time.monotonic(), lambda: all(p.poll() is None for p in procs)
     while alive() and not (_partials(directory) - before) and time.monotonic() - start < 120:
         time.sleep(0.001)
     new = _partials(directory) - before
     if not new:
         return "never: the run ended first"
-    while when == "published" and alive() and _partials(directory) & new:
-        time.sleep(0.0005)
-    return f"while its first checkpoint ({os.path.basename(min(new)[0])}) {'was being written' if _partials(directory) & new else 'had just been published'}"
+    waiting = lambda: (when == "published" and _partials(directory) & new) or (when == "removing" and _inode(replaced[0]) == replaced[1])
+    while alive() and waiting() and time.monotonic() - start < 120:
+        time.sleep(0.0002)
+    state = "was being written" if _partials(directory) & new else "had just been published"
+    gone = "" if _inode(replaced[0]) == replaced[1] else f", {os.path.basename(replaced[0])} renamed away"
+    return f"as soon as its first checkpoint ({os.path.basename(min(new)[0])}) {state}{gone} ({when})"
 
 
-def _rewind(directory: Path, reference: Path, into: Path, intervals: int) -> str:
+def _inode(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _rewind(directory: Path, reference: Path, into: Path, intervals: int) -> Tuple[str, Tuple[str, int]]:
     """Make ``into`` the checkpoint directory of the run ``intervals`` saves before the newest
     complete checkpoint in ``directory`` (a copy of the uninterrupted run's; none: empty, the run
-    starts at step 1), so that a run resumed from it saves steps ``directory`` has; says which."""
+    starts at step 1), so that a run resumed from it saves steps ``directory`` has; says which,
+    and gives the newest one's path and inode (the first save replaces it)."""
     newest = _assert_visible_checkpoints_complete(directory)
     assert newest, f"a resave round needs a complete checkpoint in {directory}"
     step = max(newest[0] - intervals * SAVE_EVERY, 0)
     into.mkdir()
     if step:
         shutil.copytree(reference / f"step-{step:08d}", into / f"step-{step:08d}")
-    return f"resumed from step {step} of the uninterrupted run, saving step {step + SAVE_EVERY} next to step {newest[0]}"
+    path = published_steps(str(directory))[0][1]
+    saving = f"saving step {step + SAVE_EVERY} next to {os.path.basename(path)}"
+    return f"resumed from step {step} of the uninterrupted run, {saving}", (path, os.stat(path).st_ino)
 
 
 def _last_error(log: Path) -> str:
@@ -235,12 +249,13 @@ def test_killed_anywhere_and_resumed_the_run_ends_bit_identical(tmp_path):
         mode, keep = MODES[round_ % len(MODES)]
         had = _assert_visible_checkpoints_complete(directory)
         source, rewound = None, ""
-        if mode == "resave":  # (in turn: a re-save of the same step or of a smaller one, killed after or while writing)
+        if mode == "resave":  # (in turn: a re-save of the same step or of a smaller one; each moment)
             source, resaves = tmp_path / f"rewound{round_}", resaves + 1
-            rewound = f" ({_rewind(directory, reference, source, 1 if resaves % 2 else 2)})"
+            rewound, replaced = _rewind(directory, reference, source, 1 if resaves % 2 else 2)
+            rewound = f" ({rewound})"
         procs, _store = _launch(directory, tmp_path / f"round{round_}", keep, source)
         if mode == "resave":
-            moment = _kill_in_first_save(directory, procs, "published" if resaves // 2 % 2 == 0 else "written")
+            moment = _kill_in_first_save(directory, procs, ("removing", "written", "published")[(resaves - 1) % 3], replaced)
         else:
             moment = _kill_moment(directory, procs, mode, run_seconds, rng)
         victim = 0 if mode == "resave" else rng.randrange(WORLD)
