@@ -17,32 +17,56 @@ the model's sharded state dict (``"model"``), the optimizer's (``"optim"``), the
 [Note: atomic publish] A checkpoint is written into ``.partial-step-N`` (a name ``resume``
 never loads). When DCP has written every rank's files and its ``.metadata``, the ranks
 checksum them (each a share of the files) and rank 0 writes ``flatshard-checkpoint.json`` (the
-manifest: step, world size, every file's size and CRC-32), fsyncs it, renames the directory to
-``step-N`` and fsyncs the parent directory. A rename within one filesystem is atomic, so a
-process killed at any moment leaves either no ``step-N`` or a complete one; leftovers of an
-interrupted save keep their ``.partial-`` name and are removed by the next save.
+manifest: step, world size, every file's size and CRC-32, and the publish sequence: one more
+than the largest among the published ones), fsyncs it and the directory, renames the directory to a
+name no directory has -- ``step-N``, or ``step-N.1`` (``.2``, ...) where a checkpoint of step N
+is there already -- and fsyncs the parent directory. A rename within one filesystem is atomic,
+so a process killed at any moment leaves the new checkpoint either complete under its published
+name or invisible; leftovers of an interrupted save keep their ``.partial-`` name and are removed
+by the next save.
 
-[Note: reading checkpoints] ``resume`` tries the ``step-N`` directories newest first and loads
-the first whose manifest lists the step and whose files all exist with the listed sizes and
-checksums (the ranks share the checking). Every directory it passes over -- a newer one that
-does not verify, or a leftover ``.partial-`` one -- is named in a ``SkippedCheckpointWarning``
-with the reason, on every rank; nothing that does not verify is loaded. Rank 0 decides what
-exists and the ranks follow it, so they always load the same checkpoint. Loading is strict, as
-``nn.Module.load_state_dict`` is: before loading anything, every rank compares the keys the
-checkpoint's DCP metadata lists for the model and the optimizer with the model's and the
-optimizer's own (its per-parameter state; not the options of its parameter groups, which a newer
-torch may extend), and any key on one side only (another model, an optimizer of another kind) is
-a ``ValueError`` naming the first keys of each kind, raised alike on every rank with the model
-and optimizer left as they were.
+[Note: reading checkpoints] ``resume`` tries the published directories newest first -- in the
+order they were published ([Note: replacing checkpoints]) -- and loads the first whose manifest
+lists the step and whose files all exist with the listed sizes and checksums (the ranks share
+the checking). Every directory it passes over -- a newer one that does not verify, one whose
+manifest cannot be read (its age unknown, so tried first), or a leftover ``.partial-`` one -- is
+named in a ``SkippedCheckpointWarning`` with the reason, on every rank; nothing that does not
+verify is loaded. Rank 0 decides what exists and the ranks follow it, so they always load the
+same checkpoint. Loading is strict, as ``nn.Module.load_state_dict`` is: before loading
+anything, every rank compares the keys the checkpoint's DCP metadata lists for the model and the
+optimizer with the model's and the optimizer's own (its per-parameter state; not the options of
+its parameter groups, which a newer torch may extend), and any key on one side only (another
+model, an optimizer of another kind) is a ``ValueError`` naming the first keys of each kind,
+raised alike on every rank with the model and optimizer left as they were.
 
-[Note: keeping the last K] After publishing, rank 0 removes the oldest complete checkpoints
-beyond ``keep``. A removal first renames the directory to ``.deleting-step-N`` (atomically
-invisible to ``resume``) and then deletes it, so a process killed while deleting leaves only a
-leftover that the next save removes. The checkpoint just published is never removed
+[Note: replacing checkpoints] The promise: from the first publish on, the directory holds, at
+every instant, the checkpoint ``resume`` is to load -- the newest complete one -- whole and
+visible, until a newer one is published; whatever the steps, ``keep``, or the moment a process
+is killed (or the machine loses power: what the promise rests on is fsynced first). "Newest" is
+the last published (the manifest's sequence), not the highest step: a run resumed from an older
+checkpoint saves smaller steps than the ones it abandons, and saves again steps that are there
+already (then the new checkpoint of step N gets a name of its own, never the old one's). Every
+save therefore goes through one protocol, ``_replace``, the only code that renames or deletes a
+published directory:
+
+1. publish the new checkpoint under a fresh name and fsync the directory: from here on
+   ``resume`` prefers it to every other one, and a crash cannot undo the rename;
+2. remove what it replaces: every other directory of its step (the one a re-save replaces),
+   every one of a later step (a timeline the run abandoned: it resumed from before them because
+   they did not verify, or an earlier run left them in the same directory), and the complete
+   ones beyond ``keep`` in publish order. Each is renamed to ``.deleting-...`` (invisible at
+   once), the directory fsynced (so none comes back with part of its files after a crash), and
+   only then deleted;
+3. a new checkpoint published as ``step-N.R`` is renamed to ``step-N`` (free since step 2),
+   fsynced. Killed before that, it stays a complete checkpoint under ``step-N.R``.
+
+Leftovers never hold the checkpoint the promise is about (a ``.partial-`` one was never
+published, a ``.deleting-`` one was replaced), so the next save deletes them before it writes. Directories without a readable manifest are never counted
+as complete, so ``keep`` never removes a complete checkpoint in favour of one.
+
+[Note: keeping the last K] After publishing, the oldest complete checkpoints beyond ``keep`` are
+removed (step 2 of [Note: replacing checkpoints]); the one just published is never removed
 (``keep >= 1``), so there is always at least one complete checkpoint once one was saved.
-Checkpoints of steps after the one just saved are removed too: they belong to a timeline the run
-abandoned (it resumed from before them because they did not verify, or an earlier run left them
-in the same directory), and ``resume`` must never prefer them over the run's own.
 
 [Note: caller's state] ``state`` is whatever the run needs besides model and optimizer that is
 the same on every rank (data position, schedule, counters): rank 0's is saved. ``rank_state``
@@ -77,7 +101,7 @@ __all__ = ["RunCheckpoints", "Resumed", "SkippedCheckpointWarning", "MANIFEST"]
 
 MANIFEST = "flatshard-checkpoint.json"
 FORMAT_VERSION = 1
-_PUBLISHED = re.compile(r"^step-(\d{8,})$")
+_PUBLISHED = re.compile(r"^step-(\d{8,})(?:\.\d+)?$")  # step-N, or step-N.R (a re-save: [Note: replacing checkpoints])
 _PARTIAL, _DELETING = ".partial-", ".deleting-"
 _READ_CHUNK = 1 << 22
 _SHOWN_KEYS = 3  # keys a mismatch error names of each kind
@@ -118,16 +142,32 @@ def step_name(step: int) -> str:
 
 
 def published_steps(directory: str) -> List[Tuple[int, str]]:
-    """``(step, path)`` of every ``step-N`` directory in ``directory``, newest first (whether
-    complete or not; see ``problem_of``)."""
+    """``(step, path)`` of every published directory in ``directory`` (``step-N``, or
+    ``step-N.R``: [Note: replacing checkpoints]), complete or not (see ``read_manifest``), newest
+    first: in the order they were published (``publish_sequence``), those whose age is unknown
+    (no readable manifest) first."""
     if not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
+        path = os.path.join(directory, name)
         match = _PUBLISHED.match(name)
-        if match and os.path.isdir(os.path.join(directory, name)):
-            found.append((int(match.group(1)), os.path.join(directory, name)))
-    return sorted(found, reverse=True)
+        if match and os.path.isdir(path):
+            step = int(match.group(1))
+            sequence = publish_sequence(path, step)
+            found.append(((1, 0) if sequence is None else (0, sequence), step, name, path))
+    return [(step, path) for _, step, _, path in sorted(found, reverse=True)]
+
+
+def publish_sequence(path: str, step: int) -> Optional[int]:
+    """Where the checkpoint directory ``path`` of ``step`` comes in publish order (larger:
+    published later; 0: published before flatshard recorded it), or ``None`` if its manifest
+    cannot be read."""
+    manifest, _ = read_manifest(path, step)
+    if manifest is None:
+        return None
+    sequence = manifest.get("sequence", 0)
+    return sequence if isinstance(sequence, int) and not isinstance(sequence, bool) else None
 
 
 def leftovers(directory: str) -> List[str]:
@@ -236,23 +276,83 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def _remove(path: str) -> None:
-    """Make ``path`` invisible at once (rename to ``.deleting-``), then delete it."""
-    parent, name = os.path.split(path)
-    doomed = path if name.startswith(_DELETING) else os.path.join(parent, _DELETING + name.lstrip("."))
-    if doomed != path:
-        if os.path.exists(doomed):
-            shutil.rmtree(doomed)
-        os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def _check_int(name: str, value: Any, least: int, allow_none: bool = False) -> None:
     """Refuse ``value`` unless it is an int >= ``least`` (or ``None`` where allowed)."""
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
         raise ValueError(f"RunCheckpoints: {name} must be an int >= {least}{' or None' if allow_none else ''}, got {value!r}")
+
+
+# -- publishing and removing: [Note: replacing checkpoints] -----------------------------------
+# (rank 0 only; nothing else renames or deletes in a checkpoint directory)
+
+
+def _clear_leftovers(directory: str) -> None:
+    """Delete what interrupted saves and removals left (never a published checkpoint)."""
+    for path in leftovers(directory):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _replace(directory: str, partial: str, step: int, manifest: Dict[str, Any], keep: Optional[int]) -> str:
+    """Publish the checkpoint of ``step`` written in ``partial`` with ``manifest`` (the sequence
+    added here), then remove what it replaces, in the order of [Note: replacing checkpoints];
+    returns its path."""
+    before = published_steps(directory)
+    sequences = [publish_sequence(path, done) for done, path in before]
+    _write_manifest(partial, dict(manifest, sequence=1 + max((s for s in sequences if s is not None), default=0)))
+    fresh = _fresh_name(directory, step)
+    os.rename(partial, fresh)
+    _fsync_directory(directory)  # 1. published, durably: from here on resume prefers it
+    _delete(directory, _replaced(before, step, keep))  # 2.
+    final = os.path.join(directory, step_name(step))
+    if fresh != final:  # 3. (the old one of this step is gone since 2.)
+        os.rename(fresh, final)
+        _fsync_directory(directory)
+    return final
+
+
+def _write_manifest(partial: str, manifest: Dict[str, Any]) -> None:
+    """Write ``manifest`` into ``partial`` and make it durable."""
+    with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_directory(partial)
+
+
+def _fresh_name(directory: str, step: int) -> str:
+    """``step-N``, or where that is taken, the first free ``step-N.R``."""
+    name, number = step_name(step), 0
+    while os.path.lexists(os.path.join(directory, name if number == 0 else f"{name}.{number}")):
+        number += 1
+    return os.path.join(directory, name if number == 0 else f"{name}.{number}")
+
+
+def _replaced(before: List[Tuple[int, str]], step: int, keep: Optional[int]) -> List[str]:
+    """The published directories (``before`` publishing ``step``, newest first) that its
+    publishing replaces: those of this or a later step, and the complete ones beyond ``keep``."""
+    doomed = [path for done, path in before if done >= step]
+    if keep is not None:
+        complete = [path for done, path in before if done < step and read_manifest(path, done)[0] is not None]
+        doomed += complete[keep - 1 :]  # (the one just published is the first kept)
+    return doomed
+
+
+def _delete(directory: str, paths: List[str]) -> None:
+    """Delete the published directories ``paths``: all renamed to ``.deleting-...`` first
+    (invisible to ``resume`` at once) and that made durable, then deleted."""
+    hidden = []
+    for path in paths:
+        target = os.path.join(directory, _DELETING + os.path.basename(path))
+        if os.path.lexists(target):  # (an earlier removal's leftover that could not be deleted)
+            shutil.rmtree(target)
+        os.rename(path, target)
+        hidden.append(target)
+    if hidden:
+        _fsync_directory(directory)
+    for path in hidden:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- the run's checkpoints -------------------------------------------------------------------
@@ -328,8 +428,9 @@ class RunCheckpoints:
 
     def save(self, step: int, state: Any = None, rank_state: Any = None) -> str:
         """Save a checkpoint of the run after ``step`` and publish it atomically ([Note: atomic
-        publish]); then remove the oldest beyond ``keep``. Returns the published path, which
-        every rank can load once this returns on any rank. Collective.
+        publish]); then remove what it replaces: an earlier checkpoint of the same step, those of
+        later steps, and the oldest beyond ``keep`` ([Note: replacing checkpoints]). Returns the
+        published path, which every rank can load once this returns on any rank. Collective.
 
         Args:
             step: the step just completed (``resume`` continues after it).
@@ -346,16 +447,14 @@ class RunCheckpoints:
         partial = os.path.join(self.directory, _PARTIAL + step_name(step))
         if self._comm.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
-            for path in leftovers(self.directory):
-                shutil.rmtree(path, ignore_errors=True)
+            _clear_leftovers(self.directory)
         self._agree("save", [self.directory, str(step)])  # also: nobody writes before the clean-up
         metadata = dcp.save(self._state_to_save(step, state, rank_state), checkpoint_id=partial, process_group=self.group)
         files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
         mine = {name: file_record(os.path.join(partial, name)) for name in files[self._comm.rank :: self._comm.world_size]}
         records = {name: record for share in all_gather_object(mine, self._comm) for name, record in share.items()}
         if self._comm.rank == 0:
-            self._publish(partial, final, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
-            self._prune(step)
+            self._publish(partial, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
         self._comm.all_reduce(torch.zeros(1, device=self._device))  # published (and pruned) on every rank's return
         return final
 
@@ -370,8 +469,9 @@ class RunCheckpoints:
             saved[f"rank_state_{self._comm.rank}"] = pickle.dumps(rank_state)
         return saved
 
-    def _publish(self, partial: str, final: str, step: int, records: Dict[str, Any], has_state: bool, has_rank_state: bool) -> None:
-        """Rank 0: write the manifest, then rename ``partial`` to ``final`` ([Note: atomic publish])."""
+    def _publish(self, partial: str, step: int, records: Dict[str, Any], has_state: bool, has_rank_state: bool) -> None:
+        """Rank 0: publish ``partial`` with its manifest and remove what it replaces ([Note:
+        atomic publish], [Note: replacing checkpoints])."""
         manifest = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -381,28 +481,7 @@ class RunCheckpoints:
             "rank_state": has_rank_state,
             "files": records,
         }
-        with open(os.path.join(partial, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_directory(partial)
-        if os.path.exists(final):  # an older run's checkpoint of this step (resumed from before it)
-            _remove(final)
-        os.rename(partial, final)
-        _fsync_directory(self.directory)
-
-    def _prune(self, current: int) -> None:
-        """Rank 0, after publishing ``current``: remove checkpoints of later steps and the oldest
-        complete ones beyond ``keep`` ([Note: keeping the last K])."""
-        published = published_steps(self.directory)
-        for step, path in published:
-            if step > current:
-                _remove(path)
-        if self.keep is None:
-            return
-        complete = [path for step, path in published if step <= current and read_manifest(path, step)[0] is not None]
-        for path in complete[self.keep :]:
-            _remove(path)
+        _replace(self.directory, partial, step, manifest, self.keep)
 
     # -- resuming ----------------------------------------------------------------------------
 

@@ -1,8 +1,13 @@
 """Kill-anywhere: ``examples/train_gpt.py`` with periodic checkpoints, one rank SIGKILLed at
 random moments (also while a checkpoint is being written), restarted with ``--resume`` each
 time, ends with parameters and optimizer state bit-identical to an uninterrupted run; after
-every kill the surviving ranks exit within the stated bound, and every visible checkpoint is
-complete.
+every kill the surviving ranks exit within the stated bound, every visible checkpoint is
+complete, and one is left once one was saved -- also with ``--keep 1`` when the killed save
+replaces the only checkpoint: a ``resave`` round restarts from an older checkpoint (the
+uninterrupted run's, copied: ``--resume OLD --save DIR``), so that its first save is a step
+``DIR`` holds already (or, every other such round, a smaller one), and kills rank 0 (which
+publishes and removes) as soon as the checkpoint it replaces is renamed away, while it writes,
+or as soon as it is published.
 
 The ranks are started the way ``torchrun`` starts its workers (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` of a store the launcher hosts: here this test, on a port the OS
@@ -16,13 +21,14 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed import TCPStore
@@ -44,13 +50,17 @@ TIMEOUT_S = 10
 PEER_DEATH_BOUND_S = 12
 STARTUP_BOUND_S = 120
 RENDEZVOUS_TIMEOUT = f"DistStoreError: wait timeout after {TIMEOUT_S * 1000}ms"
-MODES = ("checkpoint", "anytime", "training")
-FLAGS = ["--steps", str(STEPS), "--layers", "2", "--dim", "32", "--log-every", "10", "--save-every", "4", "--keep", "3", "--timeout", str(TIMEOUT_S)]
+SAVE_EVERY = 4
+# The rounds cycle through these kill moments, each with its --keep (the default 3 rounds: the
+# first three).
+MODES = (("training", 1), ("resave", 1), ("anytime", 3), ("checkpoint", 2))
+FLAGS = ["--steps", str(STEPS), "--layers", "2", "--dim", "32", "--log-every", "10", "--save-every", str(SAVE_EVERY), "--timeout", str(TIMEOUT_S)]
 
 
-def _launch(directory: Path, log: Path) -> Tuple[List[subprocess.Popen], TCPStore]:
-    """The example's ranks, each its own process, as torchrun's workers (``--resume`` into
-    ``directory``: the first launch starts at step 1, every later one resumes)."""
+def _launch(directory: Path, log: Path, keep: Optional[int], source: Optional[Path] = None) -> Tuple[List[subprocess.Popen], TCPStore]:
+    """The example's ranks, each its own process, as torchrun's workers, saving into
+    ``directory`` and resuming from it (the first launch starts at step 1, every later one
+    resumes), or from ``source`` if given."""
     store = TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     env = dict(
         os.environ,
@@ -65,7 +75,7 @@ def _launch(directory: Path, log: Path) -> Tuple[List[subprocess.Popen], TCPStor
     for rank in range(WORLD):
         out = open(log.with_suffix(f".{rank}.log"), "w")
         procs.append(subprocess.Popen(
-            [sys.executable, EXAMPLE, *FLAGS, "--resume", str(directory)],
+            [sys.executable, EXAMPLE, *FLAGS, *([] if keep is None else ["--keep", str(keep)]), "--resume", str(source or directory), "--save", str(directory)],
             cwd=ROOT, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT,
         ))
         out.close()
@@ -87,8 +97,8 @@ def _wait_all(procs: List[subprocess.Popen], timeout: float) -> List[float]:
     return exited
 
 
-def _complete_run(directory: Path, log: Path) -> None:
-    procs, _store = _launch(directory, log)
+def _complete_run(directory: Path, log: Path, keep: Optional[int]) -> None:
+    procs, _store = _launch(directory, log, keep)
     _wait_all(procs, 300)
     texts = [log.with_suffix(f".{r}.log").read_text() for r in range(WORLD)]
     assert all(p.returncode == 0 for p in procs), "\n".join(texts)
@@ -125,8 +135,9 @@ def _kill_moment(directory: Path, procs: List[subprocess.Popen], mode: str, run_
             time.sleep(0.001)
         return "never: the run ended first"
     if mode == "training":  # after j more checkpoints were published, within the next steps
-        before, wanted = {p for _, p in published_steps(str(directory))}, rng.randint(1, 3)
-        while alive() and len({p for _, p in published_steps(str(directory))} - before) < wanted:
+        before, seen, wanted = {p for _, p in published_steps(str(directory))}, set(), rng.randint(1, 3)
+        while alive() and len(seen) < wanted:  # (counted as they appear: with --keep 1 each replaces the last)
+            seen |= {p for _, p in published_steps(str(directory))} - before
             time.sleep(0.001)
         start, delay, where = time.monotonic(), rng.uniform(0, 0.5), f"in the training loop, after checkpoint {wanted} of this launch"
     else:
@@ -134,6 +145,47 @@ def _kill_moment(directory: Path, procs: List[subprocess.Popen], mode: str, run_
     while alive() and time.monotonic() - start < delay:
         time.sleep(0.001)
     return f"{time.monotonic() - start:.2f} s {where}" + ("" if alive() else " (the run had ended)")
+
+
+def _kill_in_first_save(directory: Path, procs: List[subprocess.Popen], when: str, replaced: Tuple[str, int]) -> str:
+    """The ``resave`` rounds' moment, in the first save of this launch: while it is being
+    ``written``; as soon as it is ``published`` (its ``.partial-`` directory renamed); as soon as
+    the checkpoint it replaces (``replaced``: path and inode) is ``removing`` (renamed away)."""
+    before, start, alive = _partials(directory), time.monotonic(), lambda: all(p.poll() is None for p in procs)
+    while alive() and not (_partials(directory) - before) and time.monotonic() - start < 120:
+        time.sleep(0.001)
+    new = _partials(directory) - before
+    if not new:
+        return "never: the run ended first"
+    waiting = lambda: (when == "published" and _partials(directory) & new) or (when == "removing" and _inode(replaced[0]) == replaced[1])
+    while alive() and waiting() and time.monotonic() - start < 120:
+        time.sleep(0.0002)
+    state = "was being written" if _partials(directory) & new else "had just been published"
+    gone = "" if _inode(replaced[0]) == replaced[1] else f", {os.path.basename(replaced[0])} renamed away"
+    return f"as soon as its first checkpoint ({os.path.basename(min(new)[0])}) {state}{gone} ({when})"
+
+
+def _inode(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _rewind(directory: Path, reference: Path, into: Path, intervals: int) -> Tuple[str, Tuple[str, int]]:
+    """Make ``into`` the checkpoint directory of the run ``intervals`` saves before the newest
+    complete checkpoint in ``directory`` (a copy of the uninterrupted run's; none: empty, the run
+    starts at step 1), so that a run resumed from it saves steps ``directory`` has; says which,
+    and gives the newest one's path and inode (the first save replaces it)."""
+    newest = _assert_visible_checkpoints_complete(directory)
+    assert newest, f"a resave round needs a complete checkpoint in {directory}"
+    step = max(newest[0] - intervals * SAVE_EVERY, 0)
+    into.mkdir()
+    if step:
+        shutil.copytree(reference / f"step-{step:08d}", into / f"step-{step:08d}")
+    path = published_steps(str(directory))[0][1]
+    saving = f"saving step {step + SAVE_EVERY} next to {os.path.basename(path)}"
+    return f"resumed from step {step} of the uninterrupted run, {saving}", (path, os.stat(path).st_ino)
 
 
 def _last_error(log: Path) -> str:
@@ -144,6 +196,7 @@ def _last_error(log: Path) -> str:
 
 
 def _assert_visible_checkpoints_complete(directory: Path) -> List[int]:
+    """Their steps, newest (last published) first."""
     steps = []
     for step, path in published_steps(str(directory)):
         manifest, problem = read_manifest(path, step)
@@ -188,32 +241,45 @@ def test_killed_anywhere_and_resumed_the_run_ends_bit_identical(tmp_path):
     rounds = int(os.environ.get("FLATSHARD_KILL_ROUNDS", "3"))
     rng = random.Random(int(os.environ.get("FLATSHARD_KILL_SEED", "0")))
     started = time.monotonic()
-    _complete_run(tmp_path / "reference", tmp_path / "reference")
+    reference = tmp_path / "reference"
+    _complete_run(reference, reference, keep=None)  # (every checkpoint kept: resave rounds start from them)
     run_seconds = time.monotonic() - started
-    directory, report = tmp_path / "killed", []
+    directory, report, resaves = tmp_path / "killed", [], 0
     for round_ in range(rounds):
-        procs, _store = _launch(directory, tmp_path / f"round{round_}")
-        mode = MODES[round_ % len(MODES)]
-        moment = _kill_moment(directory, procs, mode, run_seconds, rng)
-        victim = rng.randrange(WORLD)
+        mode, keep = MODES[round_ % len(MODES)]
+        had = _assert_visible_checkpoints_complete(directory)
+        source, rewound = None, ""
+        if mode == "resave":  # (in turn: a re-save of the same step or of a smaller one; each moment)
+            source, resaves = tmp_path / f"rewound{round_}", resaves + 1
+            rewound, replaced = _rewind(directory, reference, source, 1 if resaves % 2 else 2)
+            rewound = f" ({rewound})"
+        procs, _store = _launch(directory, tmp_path / f"round{round_}", keep, source)
+        if mode == "resave":
+            moment = _kill_in_first_save(directory, procs, ("removing", "written", "published")[(resaves - 1) % 3], replaced)
+        else:
+            moment = _kill_moment(directory, procs, mode, run_seconds, rng)
+        victim = 0 if mode == "resave" else rng.randrange(WORLD)
         procs[victim].send_signal(signal.SIGKILL)
         exits = _wait_all(procs, STARTUP_BOUND_S)
         survivors = [t for i, t in enumerate(exits) if i != victim]
         steps = _assert_visible_checkpoints_complete(directory)
         errors = [_last_error(tmp_path / f"round{round_}.{i}.log") for i in range(WORLD) if i != victim]
         report.append(
-            f"round {round_}: rank {victim} killed {moment}; survivors exited after {max(survivors):.2f} s "
-            f"({'; '.join(errors)}); complete checkpoints {sorted(steps)}"
+            f"round {round_}, {mode}, keep {keep}{rewound}: rank {victim} killed {moment}; survivors exited after "
+            f"{max(survivors):.2f} s ({'; '.join(errors)}); complete checkpoints {sorted(steps)} ({', '.join(sorted(os.listdir(directory)))})"
         )
+        assert steps or not had, f"no complete checkpoint is left (before the round: {had}): {report[-1]}"
         in_rendezvous = [RENDEZVOUS_TIMEOUT in error for error in errors]
         assert mode == "anytime" or not any(in_rendezvous), report[-1]
         if not any(in_rendezvous):
             assert max(survivors) <= PEER_DEATH_BOUND_S, f"survivors took over {PEER_DEATH_BOUND_S} s to exit: {report[-1]}"
-    _complete_run(directory, tmp_path / "final")
+    _complete_run(directory, tmp_path / "final", keep=1)
     print("\n".join(report))
     final = tmp_path / "final.0.log"
     assert f"done: {STEPS} steps" in final.read_text()
-    expected = _full_checkpoint(str(tmp_path / "reference" / f"step-{STEPS:08d}"))
-    actual = _full_checkpoint(str(directory / f"step-{STEPS:08d}"))
+    expected = _full_checkpoint(str(reference / f"step-{STEPS:08d}"))
+    (step, newest), *_ = published_steps(str(directory))  # (a re-save killed late leaves it as step-N.R)
+    assert step == STEPS, published_steps(str(directory))
+    actual = _full_checkpoint(newest)
     assert {"model", "optim", "step", "state"} <= set(expected), list(expected)
     _assert_bit_identical(actual, expected, "checkpoint")

@@ -183,7 +183,7 @@ class RunCheckpointsTest(TestCase):
         self.assertEqual(problem, "")
         self.assertEqual(
             {k: v for k, v in manifest.items() if k != "files"},
-            {"format": 1, "optimizer": True, "rank_state": True, "state": True, "step": 6, "world_size": 2},
+            {"format": 1, "optimizer": True, "rank_state": True, "sequence": 3, "state": True, "step": 6, "world_size": 2},
         )
         self.assertEqual(sorted(manifest["files"]), [".metadata", "__0_0.distcp", "__1_0.distcp"])
         self.assertEqual(sorted(os.listdir(os.path.join(ckpt, "step-00000006"))), [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST])
@@ -229,9 +229,9 @@ class RunCheckpointsTest(TestCase):
             f"""\
 RunCheckpoints: skipping <dir>/.partial-step-00000010: an interrupted save or removal left it (the next save removes it)
 RunCheckpoints: skipping <dir>/step-00000009: it has no flatshard-checkpoint.json (not written by RunCheckpoints, or damaged)
+RunCheckpoints: skipping <dir>/step-00000004: its flatshard-checkpoint.json cannot be read: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)
 RunCheckpoints: skipping <dir>/step-00000008: file __1_0.distcp has a different CRC-32 than when it was saved (expected {read_manifest(os.path.join(ckpt, "step-00000008"), 8)[0]["files"]["__1_0.distcp"]["crc32"]})
-RunCheckpoints: skipping <dir>/step-00000006: file __0_0.distcp has 10 bytes, expected {size}
-RunCheckpoints: skipping <dir>/step-00000004: its flatshard-checkpoint.json cannot be read: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)""",
+RunCheckpoints: skipping <dir>/step-00000006: file __0_0.distcp has 10 bytes, expected {size}""",
         )
         # Saving step 3 of the resumed run: the leftover and the abandoned later steps go.
         self.pool.run(_resume_only, 2, ckpt, (3,))
@@ -341,6 +341,24 @@ class FilesTest(TestCase):
             self.assertExpectedInline(file_problem(path, "gone", record, True), """file gone is missing""")
             self.assertExpectedInline(file_problem(path, "data", {"size": 3, "crc32": 1}, True), """file data has a different CRC-32 than when it was saved (expected 1)""")
             self.assertEqual(file_problem(path, "data", {"size": 3, "crc32": 1}, False), "")
+
+    def test_published_directories_are_listed_in_publish_order(self):
+        with tempfile.TemporaryDirectory() as root:
+            # (name, step in its manifest, sequence): a run that reached step 8, resumed from
+            # step 4 and saved 4 again, then 6; a checkpoint from before sequences; a damaged one.
+            for name, step, sequence in (
+                ("step-00000008", 8, 2), ("step-00000004", 4, 1), ("step-00000004.1", 4, 3), ("step-00000006", 6, 4),
+                ("step-00000012", 12, None), ("step-00000001", 1, "damaged"),
+            ):
+                os.makedirs(os.path.join(root, name))
+                manifest = {"step": step, "files": {}} if sequence is None else {"step": step, "files": {}, "sequence": sequence}
+                with open(os.path.join(root, name, MANIFEST), "w") as f:
+                    f.write("{" if sequence == "damaged" else json.dumps(manifest))
+            self.assertEqual(
+                [os.path.basename(p) for _, p in published_steps(root)],
+                ["step-00000001", "step-00000006", "step-00000004.1", "step-00000008", "step-00000004", "step-00000012"],
+            )
+            self.assertEqual([s for s, _ in published_steps(root)], [1, 6, 4, 8, 4, 12])
 
     def test_stored_keys_are_the_keys_dcp_flattens_a_state_dict_to(self):
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the truth, in DCP's own words
