@@ -78,6 +78,7 @@ picklable object works; DCP stores each as one opaque item.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -86,13 +87,13 @@ import shutil
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference
+from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference, raise_on_every_rank
 from ._comm._guard import make_guard
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
@@ -441,32 +442,56 @@ class RunCheckpoints:
             return self._save(step, state, rank_state)
 
     def _save(self, step: int, state: Any, rank_state: Any) -> str:
+        """[Note: a save stops together] Every step of a save that one rank can fail at alone --
+        pickling its ``rank_state`` (or rank 0 the ``state``), rank 0 making the directory and
+        clearing leftovers, a rank making the checkpoint's directory (a path that is a file on
+        one node), reading back what it wrote, rank 0 publishing (a manifest whose fsync
+        fails) -- is done before the collective that follows it and shared there (``_together``):
+        every rank raises, naming the rank and its error, and the process group stays usable.
+        ``torch.distributed.checkpoint`` shares the errors of its own steps itself."""
         _check_int("step", step, 0)
         self._check_numpy("save")
         final = os.path.join(self.directory, step_name(step))
         partial = os.path.join(self.directory, _PARTIAL + step_name(step))
-        if self._comm.rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
-            _clear_leftovers(self.directory)
+        blobs: Dict[str, Any] = {}
+        with self._together("could not pickle its state or prepare the directory"):
+            if state is not None and self._comm.rank == 0:
+                blobs["state"] = pickle.dumps(state)
+            if rank_state is not None:
+                blobs[f"rank_state_{self._comm.rank}"] = pickle.dumps(rank_state)
+            if self._comm.rank == 0:
+                os.makedirs(self.directory, exist_ok=True)
+                _clear_leftovers(self.directory)
         self._agree("save", [self.directory, str(step)])  # also: nobody writes before the clean-up
-        metadata = dcp.save(self._state_to_save(step, state, rank_state), checkpoint_id=partial, process_group=self.group)
+        with self._together(f"could not make {partial}"):
+            os.makedirs(partial, exist_ok=True)
+        metadata = dcp.save({**self._state_dicts(step), **blobs}, checkpoint_id=partial, process_group=self.group)
         files = sorted({info.relative_path for info in metadata.storage_data.values()} | {".metadata"})
-        mine = {name: file_record(os.path.join(partial, name)) for name in files[self._comm.rank :: self._comm.world_size]}
+        mine: Dict[str, Any] = {}
+        with self._together("could not read back the files it wrote"):
+            mine = {name: file_record(os.path.join(partial, name)) for name in files[self._comm.rank :: self._comm.world_size]}
         records = {name: record for share in all_gather_object(mine, self._comm) for name, record in share.items()}
-        if self._comm.rank == 0:
-            self._publish(partial, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
-        self._comm.all_reduce(torch.zeros(1, device=self._device))  # published (and pruned) on every rank's return
-        return final
+        with self._together("could not publish the checkpoint (nothing was published, or it was and is complete)"):
+            if self._comm.rank == 0:
+                self._publish(partial, step, records, has_state=state is not None, has_rank_state=rank_state is not None)
+        return final  # (published, and what it replaces removed, once every rank is here)
 
-    def _state_to_save(self, step: int, state: Any, rank_state: Any) -> Dict[str, Any]:
+    @contextlib.contextmanager
+    def _together(self, failed: str) -> Iterator[None]:
+        """Run the block on every rank, then raise on every rank if it raised on any (see [Note:
+        a save stops together]): this rank its own error, the others one naming it."""
+        error: Optional[Exception] = None
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+        raise_on_every_rank([self._comm], error, f"RunCheckpoints.save: rank {{rank}} {failed} (see its error)", self._device)
+
+    def _state_dicts(self, step: int) -> Dict[str, Any]:
         with ShardedDataParallel.state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
             saved: Dict[str, Any] = {"model": self.model.state_dict(), "step": step}
             if self.optimizer is not None:
                 saved["optim"] = ShardedDataParallel.optim_state_dict(self.model, self.optimizer)
-        if state is not None and self._comm.rank == 0:
-            saved["state"] = pickle.dumps(state)
-        if rank_state is not None:
-            saved[f"rank_state_{self._comm.rank}"] = pickle.dumps(rank_state)
         return saved
 
     def _publish(self, partial: str, step: int, records: Dict[str, Any], has_state: bool, has_rank_state: bool) -> None:

@@ -352,3 +352,112 @@ class UnguardedTest(TestCase):
 [rank 0] flatshard issued a collective (all_reduce (the root)) through a communicator that belongs to no guard: every flatshard operation that communicates must run as a call of its Guard ([Note: one guarded path])
 [rank 0] flatshard issued a collective (all_gather (the root unit)) outside any guarded call: every flatshard operation that communicates must run as a call of its Guard ([Note: one guarded path])""",
         )
+
+
+def _checkpoint_fails(rank: int, world_size: int, directory: str, case: str) -> Dict[str, Any]:
+    """A ``RunCheckpoints.save`` that fails on one rank: a ``rank_state`` that cannot be pickled
+    (last rank), the checkpoint's directory a file there (last rank), the manifest's fsync failing
+    with EIO (rank 0). Then every rank saves again and resumes: the process group is usable and
+    the newest complete checkpoint loads."""
+    from flatshard import RunCheckpoints
+
+    model, optim = _trained(rank, world_size)
+    runs = RunCheckpoints(directory, model, optim)
+    runs.save(1, rank_state={"rank": rank})
+    failing = rank == (0 if case == "eio" else world_size - 1)
+    rank_state: Any = {"rank": rank}
+    patches: Any = contextlib.nullcontext()
+    if failing and case == "unpicklable":
+        rank_state = {"rng": lambda: rank}
+    elif failing and case == "file":
+        real = os.makedirs
+
+        def makedirs(path: str, *args: Any, **kwargs: Any) -> None:
+            if os.path.basename(path).startswith(".partial-"):
+                raise NotADirectoryError(20, "Not a directory", path)
+            real(path, *args, **kwargs)
+
+        patches = mock.patch("flatshard.run_checkpoints.os.makedirs", makedirs)
+    elif failing and case == "eio":
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:  # (the manifest's only: torch.distributed.checkpoint's own succeed)
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("flatshard-checkpoint.json"):
+                raise OSError(5, "Input/output error")
+            real_fsync(fd)
+
+        patches = mock.patch("os.fsync", fsync)
+    dist.barrier()
+    started = time.monotonic()
+    outcome: Dict[str, Any] = {}
+    try:
+        with patches:
+            runs.save(2, rank_state=rank_state)
+        outcome["error"] = None
+    except Exception as exc:  # noqa: BLE001
+        outcome.update(error=f"{type(exc).__name__}: {exc}".replace(directory, "<dir>"), seconds=time.monotonic() - started)
+    resumed = runs.resume()
+    outcome["resumed"] = resumed.step if resumed is not None else None
+    runs.save(3)
+    outcome["after"] = runs.resume().step  # type: ignore[union-attr]
+    return outcome
+
+
+def _pretrained_interrupted(rank: int, world_size: int, path: str) -> Dict[str, Any]:
+    """``load_pretrained`` interrupted (``KeyboardInterrupt``) on the last rank while it reads."""
+    from flatshard import load_pretrained
+    from flatshard._readers._safetensors import SafetensorsReader
+
+    model, _ = _trained(rank, world_size)
+    real = SafetensorsReader.read
+    when: Dict[str, float] = {}
+
+    def read(self: Any, pieces: Any) -> None:
+        if rank == world_size - 1:
+            when["at"] = time.monotonic()
+            raise KeyboardInterrupt("interrupted")
+        real(self, pieces)
+
+    started = time.monotonic()
+    try:
+        with mock.patch.object(SafetensorsReader, "read", read):
+            load_pretrained(model, path)
+        return {"error": None}
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - when.get("at", started)}
+
+
+class CheckpointFailsTest(TestCase):
+    def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_the_run_goes_on(self) -> None:
+        import tempfile
+
+        expected = {
+            "unpicklable": "RunCheckpoints.save: rank 1 could not pickle its state or prepare the directory (see its error)",
+            "file": "RunCheckpoints.save: rank 1 could not make <dir>/.partial-step-00000002 (see its error)",
+            "eio": "RunCheckpoints.save: rank 0 could not publish the checkpoint (nothing was published, or it was and is complete) (see its error)",
+        }
+        for case, text in expected.items():
+            with self.subTest(case=case), tempfile.TemporaryDirectory() as directory:
+                outcomes = self.pool.run(_checkpoint_fails, 2, directory, case, timeout=120)
+                failing = 0 if case == "eio" else 1
+                for rank, outcome in enumerate(outcomes):
+                    self.assertLessEqual(outcome["seconds"], BOUND_S)
+                    if rank != failing:
+                        self.assertEqual(outcome["error"], f"RuntimeError: [rank {rank}] {text}")
+                    self.assertEqual((outcome["resumed"], outcome["after"]), (1, 3), outcome)
+                own = {"unpicklable": "Can't pickle local object", "file": "NotADirectoryError: [Errno 20] Not a directory", "eio": "OSError: [Errno 5] Input/output error"}
+                self.assertIn(own[case], outcomes[failing]["error"])
+
+    def test_a_keyboard_interrupt_in_load_pretrained_on_one_rank(self) -> None:
+        import tempfile
+
+        from flatshard._readers._safetensors import write_safetensors
+
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.safetensors")
+            write_safetensors(path, {k: v.contiguous() for k, v in build(n_blocks=2).state_dict().items()})
+            outcomes = self.pool.run(_pretrained_interrupted, 3, path, timeout=120)
+        self.assertEqual(outcomes[2]["error"], "KeyboardInterrupt: interrupted")
+        for rank in (0, 1):
+            self.assertLessEqual(outcomes[rank]["seconds"], BOUND_S)
+            self.assertIn(f"PeerFailedError: [rank {rank}] rank 2 raised KeyboardInterrupt('interrupted') in load_pretrained() (call #", outcomes[rank]["error"])

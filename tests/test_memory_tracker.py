@@ -425,3 +425,20 @@ class TimelineOnGlooTest(TestCase):
             for phase in ("forward", "backward", "optimizer step"):
                 peaks = [phases[f"{phase} {step}"].peak for step in range(1, steps)]
                 self.assertEqual(len(set(peaks)), 1, f"rank {rank}: {phase} peaks of steps 1..{steps - 1} differ: {peaks}")
+
+
+def test_timeline_without_the_allocators_flag_warns_and_counts_this_thread() -> None:
+    """A torch that does not export c10's flag: the timeline says what it cannot count and
+    counts what this thread allocates and frees, as it did before it set the flag."""
+    from unittest import mock
+
+    import flatshard._base._memory_timeline as memory_timeline
+
+    with mock.patch.object(memory_timeline.ctypes.c_bool, "in_dll", mock.Mock(side_effect=ValueError("no such symbol"))):
+        with pytest.warns(RuntimeWarning, match="does not export") as caught:
+            with _timeline() as timeline:
+                with timeline.phase("allocate"):
+                    x = torch.empty(N)
+                    del x
+    assert len(caught) == 1
+    assert timeline.phases["allocate"] == PhaseMemory(start=0, peak=MiB, end=0), timeline.phases

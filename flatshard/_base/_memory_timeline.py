@@ -19,7 +19,8 @@ sizes: it reads the allocator's own running total, which each CPU event carries
 (``total_allocated``). The CPU allocator keeps that total, under its own lock, for every
 allocation and free on every thread while c10's flag ``caffe2_report_cpu_memory_usage`` is on
 (otherwise only on profiled threads); the timeline turns the flag on while it runs (set
-through ``ctypes``: torch has no Python call for it) and back off after, unless it found it on.
+through ``ctypes``: torch has no Python call for it) and back off after, unless it found it on
+(a torch that does not export it gets a warning, and counts the profiled threads only).
 Each event gives the total just before it (the total less its own size) and just after it, so
 a change made on another thread shows at the next event; a tiny allocation and free right
 before and right after each phase (outside it) pins its start and end.
@@ -37,6 +38,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -58,8 +60,10 @@ class PhaseMemory:
     end: int
 
 
-def _cpu_report_flag() -> Any:
-    """c10's ``caffe2_report_cpu_memory_usage`` flag (a ``ctypes.c_bool`` over torch's own)."""
+def _cpu_report_flag() -> Optional[Any]:
+    """c10's ``caffe2_report_cpu_memory_usage`` flag (a ``ctypes.c_bool`` over torch's own), or
+    ``None`` with a warning where this torch does not export it: the timeline then counts what
+    the profiled threads allocate and free only, as before it set the flag."""
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     candidates = sorted(glob.glob(os.path.join(libdir, "libc10.*")) + glob.glob(os.path.join(libdir, "c10.dll")))
     for path in candidates:
@@ -67,11 +71,15 @@ def _cpu_report_flag() -> Any:
             return ctypes.c_bool.in_dll(ctypes.CDLL(path), _REPORT_FLAG)
         except (OSError, ValueError):
             continue
-    raise RuntimeError(
+    warnings.warn(
         f"MemoryTimeline on the CPU counts allocations and frees on every thread through c10's flag "
-        f"{_REPORT_FLAG}, which this torch ({torch.__version__}) does not export from {candidates or libdir}; "
-        f"without it frees on threads other than this one (gloo's, for one) would go uncounted"
+        f"{_REPORT_FLAG}, which this torch ({torch.__version__}) does not export from {candidates or libdir}: "
+        f"frees on threads other than the profiled ones (gloo's worker threads, for one) go uncounted, so "
+        f"later numbers may read too high",
+        RuntimeWarning,
+        stacklevel=3,
     )
+    return None
 
 
 class MemoryTimeline:
@@ -100,8 +108,9 @@ class MemoryTimeline:
         from torch.profiler import ProfilerActivity, profile
 
         self._flag = _cpu_report_flag()
-        self._turned_flag_on = not self._flag.value
-        self._flag.value = True
+        self._turned_flag_on = self._flag is not None and not self._flag.value
+        if self._flag is not None:
+            self._flag.value = True
         try:
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profiler.__enter__()
