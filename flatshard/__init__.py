@@ -34,6 +34,8 @@ from .api import (
 )
 from . import api, comm_hooks, fully_sharded_data_parallel, plan, sharded_grad_scaler, wrap
 from .flat_param import FlatParameter, FlatParamHandle
+from ._base._errors import DivergedRanksError
+from ._comm._guard import CallFailedError
 from ._comm._peer_failures import PeerFailedError
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
@@ -70,6 +72,8 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "ShardedDataParallel",
     "PeerFailedError",
+    "CallFailedError",
+    "DivergedRanksError",
     "destroy_process_group",
     "teardown",
     "comm_hooks",

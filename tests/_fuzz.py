@@ -17,11 +17,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 # Each feature, and what it adds to a case. ``KNOWN`` maps the features that exercise known
 # bugs (issue 14's items; NEW-x and W-x: found by this fuzzer, W-x with issue 28's write
-# features) to them, so that "-known" hunts for anything else. Open W-x items:
-#
-# W-10: use_orig_params=True, AdamW step counts that differ within a FlatParameter (a
-#      parameter skipped by a step: .grad None, or replaced after the backward): a checkpoint
-#      loaded into a use_orig_params=False model merges them silently (FSDP1 refuses).
+# features) to them, so that "-known" hunts for anything else. W-10 (use_orig_params=True,
+# AdamW step counts that differ within a FlatParameter -- a parameter skipped by a step: .grad
+# None, or replaced after the backward -- merged silently when the checkpoint loaded into a
+# use_orig_params=False model) is refused since issue 43, as FSDP1 refuses it: such a case
+# raises that refusal on every rank.
 #
 # Found and fixed while issue 28 was worked on: W-1 (use_orig_params=False, unsharded
 # FlatParameter: a rebound .data was missed), W-2 (a parameter replaced between no_sync

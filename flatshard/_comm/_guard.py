@@ -43,6 +43,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._base._common import guard_transition
 from .._base._errors import DivergedRanksError
 from ._collectives import Communicator, all_gather_object, backend_of, default_store, fingerprint, global_rank, timeout_of
 from ._host_checks import check_device
@@ -154,7 +155,7 @@ class Guard:
         if self.watch is not None:
             self.watch.enter()
         self.name, self.depth, self.exit_check = name, 1, exit_check
-        self.entry = EntryState.PENDING
+        self._move((EntryState.CLOSED,), EntryState.PENDING)
         self._ignore_carried = ignore_carried
         if eager:
             self.check_entry()
@@ -184,7 +185,8 @@ class Guard:
             elif entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
                 self.watch.leave(f"{where} (call #{self.count})", error)
         finally:
-            self.depth, self.name, self.entry = 0, None, EntryState.CLOSED
+            self.depth, self.name = 0, None
+            self.entry = EntryState.CLOSED  # (from any state: the call is over)
 
     def _check_exit(self, name: str, where: str) -> None:
         """The exit check; this rank raising during it (not the check's own verdict, which every
@@ -203,7 +205,8 @@ class Guard:
         ``text`` (it names the rank): e.g. a backward that raised, seen only afterwards."""
         if self.entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
             self.watch.leave_with(text)
-        self.depth, self.name, self.entry = 0, None, EntryState.CLOSED
+        self.depth, self.name = 0, None
+        self.entry = EntryState.CLOSED  # (from any state: the call is over)
 
     def check_entry(self) -> None:
         """Make the open call's entry check now (before collectives this guard does not see,
@@ -221,7 +224,7 @@ class Guard:
             self.position(kind, items, explain=explain)
 
     def _check_entry_with(self, error: Optional[BaseException], kind: str = "", items: Sequence[str] = (), explain: Optional[Explain] = None) -> None:
-        self.entry = EntryState.CHECKING
+        self._move((EntryState.PENDING,), EntryState.CHECKING)
         self.count += 1  # (only calls that communicate count: a local call on one rank shifts nothing)
         if self.watch is not None:
             self.watch.next_call()
@@ -236,14 +239,17 @@ class Guard:
         try:
             self.position(kind or f"in {self.name}", list(items), failure, explain, self.count)
         except (DivergedRanksError, CallFailedError):
-            self.entry = EntryState.RAISED  # (every rank raises here alike)
+            self._move((EntryState.CHECKING,), EntryState.RAISED)  # (every rank raises here alike)
             raise
         if failure is not None:  # (every rank agreed: only possible if all carry the same)
-            self.entry = EntryState.RAISED
+            self._move((EntryState.CHECKING,), EntryState.RAISED)
             if error is None:
                 raise CallFailedError(f"[rank {self._rank()}] {failure}")
             return
-        self.entry = EntryState.CHECKED
+        self._move((EntryState.CHECKING,), EntryState.CHECKED)
+
+    def _move(self, allowed_from: Sequence[EntryState], target: EntryState) -> None:
+        self.entry = guard_transition(self.entry, allowed_from, target, f"[rank {self._rank()}] the call {self.name}")
 
     def before_collective(self, what: str) -> None:
         """Called for every collective of a guarded communicator, before it is issued."""

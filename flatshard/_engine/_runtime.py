@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -155,9 +156,9 @@ def start_forward(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], che
     ``check_every_collective``: precede every collective of this forward by an order check
     (an unsynced ``generate``)."""
     guard = root_guard(unit)
-    if not _in_backward():
+    if not in_backward():
         settle(root_of(unit).ctx)  # (closes the call of a backward that raised)
-    owner = not _in_backward() and guard.depth == 0
+    owner = not in_backward() and guard.depth == 0
     if owner:
         if unit.is_root and guard.watch is not None:
             guard.watch.begin_step()
@@ -202,39 +203,9 @@ def reduce_held(ctx: Optional[RootContext]) -> None:
     """Outside a backward: average the gradients ``no_sync()`` left that no synchronised
     backward averaged (see [Note: no_sync gradients at the step] in ``_stale_optimizer``).
     Collective when there are any (every rank has the same)."""
-    if isinstance(ctx, RootRuntime) and not _in_backward():
+    if isinstance(ctx, RootRuntime) and not in_backward():
         ctx.settle()
         ctx.reduce_held()
-
-
-def before_step(ctx: Optional[RootContext]) -> None:
-    """Before an optimizer steps the model: refuse a step inside ``no_sync()`` after a backward
-    there (the gradients the parameters show are each rank's own, see [Note: no_sync and
-    zero_grad] in ``_handle_grads``); else take what was written through the views of units a
-    forward left gathered (``RootRuntime.take_user_writes``) and ``reduce_held`` (a guarded
-    call where there is anything to average). The step counts from here, and is under way until
-    ``after_step`` ([Note: a failed optimizer step])."""
-    if isinstance(ctx, RootRuntime) and not _in_backward():
-        ctx.settle()
-        for unit in ctx.units:
-            if not unit.sync_gradients and any(h.holds_no_sync_grad() for h in unit.handles):
-                raise RuntimeError(
-                    f"{unit.where()}: optimizer.step() inside no_sync() after a backward under it: the gradients "
-                    f"are each rank's own, not averaged over the ranks yet; step outside no_sync(), after the "
-                    f"synchronised backward that averages them"
-                )
-        ctx.take_user_writes()
-        if any(h.holds_no_sync_grad() for unit in ctx.units for h in unit.handles):
-            with ctx.guard.call("optimizer.step() (averaging the gradients no_sync() left)"):
-                ctx.reduce_held()
-        ctx.optimizer_steps += 1
-        ctx.stepping += 1
-
-
-def after_step(ctx: Optional[RootContext]) -> None:
-    """After an optimizer stepped the model: the step ``before_step`` counted completed."""
-    if isinstance(ctx, RootRuntime) and ctx.stepping:
-        ctx.stepping -= 1
 
 
 @contextlib.contextmanager
@@ -244,9 +215,27 @@ def no_sync(units: Sequence[Unit]) -> Iterator[None]:
         yield
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+# Where torch runs an optimizer's step between its pre- and post-hooks.
+_STEP_SOURCE = torch.optim.Optimizer.profile_hook_step.__code__.co_filename
+
+
+def _inside_a_step() -> bool:
+    """Whether this thread is inside an optimizer's ``step()`` now (a closure's forward and
+    backward, as LBFGS runs them): a step under way, not one that raised."""
+    frame: Optional[Any] = sys._getframe(1)
+    try:
+        while frame is not None:
+            if frame.f_code.co_filename == _STEP_SOURCE:
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        frame = None  # (see [Note: frames in locals] in _stale_optimizer)
 
 
 def _post_accumulate(runtime_ref: "weakref.ref[RootRuntime]", unit_ref: "weakref.ref[Unit]", handle_ref: "weakref.ref[FlatParamHandle]", leaf: torch.Tensor) -> None:
@@ -369,12 +358,12 @@ class RootRuntime(AgreementChecks, RootContext):
     def _guard_saved(self) -> Any:
         """See [Note: saved parameters] in ``_saved``. A forward re-run inside backward
         (activation checkpointing) keeps its unit gathered until its backward instead."""
-        if not torch.is_grad_enabled() or _in_backward() or not self.freeable:
+        if not torch.is_grad_enabled() or in_backward() or not self.freeable:
             return contextlib.nullcontext()
         return self.saved_guard.active()
 
     def _root_pre_forward(self) -> None:
-        if _in_backward():
+        if in_backward():
             return
         self.settle()
         if not self.hooks_outside_graph and dynamo_loaded():
@@ -398,12 +387,13 @@ class RootRuntime(AgreementChecks, RootContext):
         later call ([Note: one guarded path] in ``_comm/_guard``), so every rank raises there,
         naming it, until a state dict is loaded into the model (which restores the parameters;
         load the optimizer's state from the same checkpoint too)."""
-        if self.backward_state is BackwardState.CALLBACK_QUEUED and not _in_backward():
+        if self.backward_state is BackwardState.CALLBACK_QUEUED and not in_backward():
             self.finalize_backward(failed=True)
-        if self.stepping:
+        if self.stepping and not _inside_a_step():
             self.stepping = 0
+            rank = self.watch.rank if self.watch is not None else self.root.rank
             self.guard.carried = (
-                f"rank {self.root.rank} failed an optimizer step on this model (optimizer.step() raised after "
+                f"rank {rank} failed an optimizer step on this model (optimizer.step() raised after "
                 f"flatshard's step pre-hook ran, before the step completed): its parameters or optimizer state "
                 f"may differ from the other ranks' from then on, so the ranks cannot go on together; load the "
                 f"model's and the optimizer's state from a checkpoint on every rank"
@@ -434,7 +424,7 @@ class RootRuntime(AgreementChecks, RootContext):
         if not unit.handles:
             return
         self.hook_new_trainables(unit)
-        recompute = _in_backward()
+        recompute = in_backward()
         if not recompute:
             self.exec_order.record_pre_forward(unit)
         self._consume_prefetch(unit)
@@ -453,7 +443,7 @@ class RootRuntime(AgreementChecks, RootContext):
         if unit.training_state is _BACKWARD_PRE:
             return
         unit.move((_FORWARD,), _IDLE)
-        if not unit.handles or _in_backward():
+        if not unit.handles or in_backward():
             return
         if not torch.is_grad_enabled():
             if unit in self.gathered_in_forward:
@@ -477,7 +467,7 @@ class RootRuntime(AgreementChecks, RootContext):
 
     def _root_post_forward(self) -> None:
         self.exec_order.freeze_forward_order()
-        if _in_backward():
+        if in_backward():
             return
         self._check_forward_order(self.exec_order.this_forward())
         if not torch.is_grad_enabled():

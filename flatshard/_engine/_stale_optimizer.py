@@ -1,6 +1,8 @@
 """What happens when an optimizer steps a wrapped model's parameters: an optimizer built
-before wrapping fails at its first ``step()`` instead of training nothing, and gradients
-accumulated under ``no_sync()`` that no synchronised backward averaged are averaged first.
+before wrapping fails at its first ``step()`` instead of training nothing, gradients
+accumulated under ``no_sync()`` that no synchronised backward averaged are averaged first, and
+a step that raised partway is not taken for one that completed ([Note: a failed optimizer
+step] in ``_runtime``: the step post-hook marks a step complete).
 
 [Note: no_sync gradients at the step] A unit used in ``no_sync()`` micro-batches but in no
 later backward outside ``no_sync()`` (the last micro-batch skipped it, or its loss needed no
@@ -61,8 +63,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from .._base._common import join_name
-from ._runtime import after_step, before_step
-from ._unit import Unit
+from ._runtime import RootRuntime, in_backward
+from ._unit import RootContext, Unit
 
 __all__ = ["StaleOptimizerCheck", "watch_stale_optimizers"]
 
@@ -84,6 +86,36 @@ def watch_stale_optimizers(wrapper: nn.Module, unit: Unit) -> "StaleOptimizerChe
             if isinstance(value, StaleOptimizerCheck) and value.unit_id in adopted:
                 value.retire()
     return StaleOptimizerCheck(wrapper, unit)
+
+
+def before_step(ctx: Optional[RootContext]) -> None:
+    """Before an optimizer steps the model: refuse a step inside ``no_sync()`` after a backward
+    there (the gradients the parameters show are each rank's own, see [Note: no_sync and
+    zero_grad] in ``_handle_grads``); else take what was written through the views of units a
+    forward left gathered (``RootRuntime.take_user_writes``) and ``reduce_held`` (a guarded
+    call where there is anything to average). The step counts from here, and is under way until
+    ``after_step`` ([Note: a failed optimizer step])."""
+    if isinstance(ctx, RootRuntime) and not in_backward():
+        ctx.settle()
+        for unit in ctx.units:
+            if not unit.sync_gradients and any(h.holds_no_sync_grad() for h in unit.handles):
+                raise RuntimeError(
+                    f"{unit.where()}: optimizer.step() inside no_sync() after a backward under it: the gradients "
+                    f"are each rank's own, not averaged over the ranks yet; step outside no_sync(), after the "
+                    f"synchronised backward that averages them"
+                )
+        ctx.take_user_writes()
+        if any(h.holds_no_sync_grad() for unit in ctx.units for h in unit.handles):
+            with ctx.guard.call("optimizer.step() (averaging the gradients no_sync() left)"):
+                ctx.reduce_held()
+        ctx.optimizer_steps += 1
+        ctx.stepping += 1
+
+
+def after_step(ctx: Optional[RootContext]) -> None:
+    """After an optimizer stepped the model: the step ``before_step`` counted completed."""
+    if isinstance(ctx, RootRuntime) and ctx.stepping:
+        ctx.stepping -= 1
 
 
 class StaleOptimizerCheck:
