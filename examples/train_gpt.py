@@ -245,7 +245,7 @@ def train(args: argparse.Namespace) -> None:
                 report(step, args, mean_loss.item() / world, tokens_per_s, memory)
         if run is not None and run.maybe_save(step, run_state(data), rank_state()):
             saved = step
-    if run is not None and saved != args.steps:
+    if run is not None and (saved is None or saved < args.steps):  # (a resumed later step stays as it is)
         run.save(args.steps, run_state(data), rank_state())
     if args.full_checkpoint:
         save_full(model, args.full_checkpoint)

@@ -240,6 +240,18 @@ def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(
     plain.load_state_dict(torch.load(full, weights_only=True), strict=True)
 
 
+def test_example_resumed_past_its_steps_keeps_the_later_checkpoint(tmp_path):
+    """A run resumed from a checkpoint of a later step than its --steps trains nothing and saves
+    nothing: before, it saved the later weights as step --steps and removed the later checkpoint."""
+    from flatshard.run_checkpoints import published_steps
+
+    small = ["--log-every", "1", "--layers", "2", "--dim", "32"]
+    ckpt = str(tmp_path / "ckpt")
+    _run([sys.executable, EXAMPLE, "--steps", "3", "--save", ckpt, *small])
+    _run([sys.executable, EXAMPLE, "--steps", "2", "--resume", ckpt, *small])
+    assert [step for step, _ in published_steps(ckpt)] == [3]
+
+
 FINETUNE_HF = str(ROOT / "examples" / "finetune_hf.py")
 
 
