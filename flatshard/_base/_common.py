@@ -208,3 +208,14 @@ def copy_fields(obj: Any, memo: Dict[int, Any], given: Mapping[str, Any]) -> Any
     for key, value in vars(obj).items():
         new.__dict__[key] = given[key] if key in given else copy.deepcopy(value, memo)
     return new
+
+
+def runs_code_of(frame: Optional[Any], filename: str) -> bool:
+    """Whether ``frame``, or a frame below it on its stack, runs code of ``filename``. (The
+    walk's own local never holds this function's frame: see [Note: frames in locals] in
+    ``_engine/_stale_optimizer`` for why that matters.)"""
+    while frame is not None:
+        if frame.f_code.co_filename == filename:
+            return True
+        frame = frame.f_back
+    return False

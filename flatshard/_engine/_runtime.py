@@ -44,7 +44,7 @@ from ._agreement import AgreementChecks
 from .._base._compile import dynamo_loaded, outside_graph
 from .._comm._collectives import timeout_of
 from .._comm._guard import Guard
-from .._base._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors
+from .._base._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors, runs_code_of
 from .._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
 from .._flat._saved import SavedParamGuard
 from .._comm._shared_memory import SharedMemoryChannel
@@ -227,15 +227,7 @@ _STEP_SOURCE = torch.optim.Optimizer.profile_hook_step.__code__.co_filename
 def _inside_a_step() -> bool:
     """Whether this thread is inside an optimizer's ``step()`` now (a closure's forward and
     backward, as LBFGS runs them): a step under way, not one that raised."""
-    frame: Optional[Any] = sys._getframe(1)
-    try:
-        while frame is not None:
-            if frame.f_code.co_filename == _STEP_SOURCE:
-                return True
-            frame = frame.f_back
-        return False
-    finally:
-        frame = None  # (see [Note: frames in locals] in _stale_optimizer)
+    return runs_code_of(sys._getframe(1), _STEP_SOURCE)
 
 
 def _post_accumulate(runtime_ref: "weakref.ref[RootRuntime]", unit_ref: "weakref.ref[Unit]", handle_ref: "weakref.ref[FlatParamHandle]", leaf: torch.Tensor) -> None:

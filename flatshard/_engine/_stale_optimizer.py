@@ -62,7 +62,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .._base._common import join_name
+from .._base._common import join_name, runs_code_of
 from ._runtime import RootRuntime, in_backward
 from ._unit import RootContext, Unit
 
@@ -302,16 +302,10 @@ def _in_optimizer_code() -> bool:
     hooks, and a model dropped later needed two collections to go (the flaky
     ``FreedModelsTest``). So every local that may hold a frame is cleared before returning."""
     frames: Optional[Dict[int, Any]] = sys._current_frames()
-    current: Optional[Any] = None
     try:
-        for current in frames.values():
-            while current is not None:
-                if current.f_code.co_filename == _OPTIMIZER_SOURCE:
-                    return True
-                current = current.f_back
-        return False
+        return any(runs_code_of(frame, _OPTIMIZER_SOURCE) for frame in frames.values())
     finally:
-        frames = current = None
+        frames = None
 
 
 class _Retry:
