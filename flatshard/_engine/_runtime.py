@@ -681,8 +681,9 @@ class RootRuntime(AgreementChecks, RootContext):
             self.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
             Variable._execution_engine.queue_callback(self.on_backward_end)
             step = self.watch.step if self.watch is not None else 0
-            # (no exit check: a rank whose backward raised is heard at the next call)
-            self.backward_owns_call = self.guard.open(f"the backward of step {step}", exit_check=False)
+            # (no exit check: a rank whose backward raised is heard at the next call; a backward
+            # inside another call, e.g. a forward's, is part of that one and opens nothing)
+            self.backward_owns_call = self.guard.depth == 0 and self.guard.open(f"the backward of step {step}", exit_check=False)
             self._check_backward_agrees()
 
     def finalize_backward(self, failed: bool = False) -> None:
