@@ -22,7 +22,8 @@ from ._checkpoint._module_state_dict import route_state_dict, skips_in_tree_walk
 from ._build._node_groups import NodeGroups
 from ._base._options import ConstructionOptions
 from ._build._planning import make_plan, unit_options
-from ._engine._runtime import no_sync, run_forward
+from ._engine._forward import run_forward
+from ._engine._runtime import no_sync
 from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._checkpoint._optim_dicts import (
     check_group,
@@ -544,7 +545,7 @@ class ShardedDataParallel(nn.Module):
                 not ``model.parameters()`` and ``optim`` is not given.
             optim: the optimizer to load into (its param groups give the parameter IDs).
         """
-        with guarded_call(model, "shard_full_optim_state_dict()"):
+        with guarded_call(model, "shard_full_optim_state_dict()", collective=False):
             return shard_full_optim_state(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod

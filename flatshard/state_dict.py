@@ -244,7 +244,8 @@ def set_state_dict(
     optims = _optimizer_tuple(optimizers, "set_state_dict")
     if not _has_units(model):
         return _torch_sd.set_state_dict(model, optims, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options)
-    with guarded_call(model, "set_state_dict()", clears=True):
+    loads_model = bool(model_state_dict) or bool(getattr(options, "broadcast_from_rank0", False))
+    with guarded_call(model, "set_state_dict()", clears=loads_model):
         opts = _checked_options(options, "set_state_dict")
         if not isinstance(model_state_dict, Mapping):
             raise TypeError(f"set_state_dict: model_state_dict must be a dict keyed by FQNs; got {type(model_state_dict).__name__}")

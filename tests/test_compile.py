@@ -3,7 +3,7 @@
 A wrapped model compiled with ``torch.compile(model)`` or ``model.compile()``, and a model whose
 blocks were compiled before wrapping, train like single-process (uncompiled) training: dynamo
 compiles the modules' own code and leaves flatshard's runtime out of its graphs (see [Note:
-torch.compile] in ``flatshard/_engine/_runtime.py``). A forward that raises -- user code in the middle of
+torch.compile] in ``flatshard/_engine/_forward.py``). A forward that raises -- user code in the middle of
 a unit, or a compiler failing -- leaves the model usable: the next steps train as if it had
 never run. Compiling is slow, so the models are tiny, runs are three steps, most cases use the
 ``aot_eager`` backend (dynamo and AOT autograd without code generation) and one uses inductor.

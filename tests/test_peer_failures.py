@@ -273,14 +273,15 @@ def test_a_collective_failing_after_a_peer_left_names_that_peer() -> None:
     # there already), returned and closed its connections before this rank's wait looked at
     # the records; the failed collective must still name the rank that left, not only gloo's
     # "Connection closed by peer".
-    from flatshard._comm._peer_failures import StepWatch
+    from flatshard._comm._peer_failures import RecordState, StepWatch, _Record
 
     store = dist.HashStore()
-    watches = [StepWatch(store, "root0", 1, rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]
+    watches = [StepWatch(store, 1, rank, [r for r in range(3) if r != rank], timedelta(seconds=20)) for rank in range(3)]
     for watch in watches:
         watch.begin_step()
         watch.next_call()
-    watches[2].leave("the forward of unit 'blocks.1' of step 1", ValueError("tripwire"))
+    # (rank 2's record, as its leave writes it before it settles)
+    watches[2]._write(_Record(RecordState.LEFT, watches[2].tag, "rank 2 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 1"))
     try:  # (rank 1 is stuck because of it, as in the flake)
         watches[1].look(time.monotonic(), "all_gather (unit 'blocks.2')")
     except PeerFailedError:

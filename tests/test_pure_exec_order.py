@@ -142,8 +142,8 @@ at the end of its forward""",
         # each rank's, another check's included)
         from flatshard._engine._agreement import _units_differ
 
-        positions = [(describe(t, NAMES), None, [], None, True) for t in (token(REDUCE, 0), token(END_OF_BACKWARD), token(GATHER, 2))]
-        positions.append(("at the start of its forward", 7, [], None, True))
+        positions = [(r, (describe(t, NAMES), None, [], None, True)) for r, t in enumerate((token(REDUCE, 0), token(END_OF_BACKWARD), token(GATHER, 2)))]
+        positions.append((3, ("at the start of its forward", 7, [], None, True)))
         self.assertExpectedInline(
             _units_differ(positions),
             """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 is reducing the gradients of unit <root>; rank 1 is at the end of its backward; rank 2 is gathering the parameters of unit layers.1; rank 3 is at the start of its forward""",

@@ -51,7 +51,7 @@ class CheckReportsTest(TestCase):
         from flatshard._comm._guard import _diverged
         from flatshard._engine._agreement import _backward_difference, _forward_difference
 
-        everyone = [("at the end of its forward", None, ["<root>", "a", "optimizer steps: 3"], None, False), ("at the start of its backward", 7, ["<root>"], None, False)]
+        everyone = [(0, ("at the end of its forward", None, ["<root>", "a", "optimizer steps: 3"], None, False)), (1, ("at the start of its backward", 7, ["<root>"], None, False))]
         for explain in (_forward_difference, _backward_difference):
             self.assertExpectedInline(
                 str(_diverged(1, everyone, explain)),
@@ -61,7 +61,7 @@ class CheckReportsTest(TestCase):
     def test_the_first_unit_that_differs_or_the_optimizer_steps(self):
         from flatshard._engine._agreement import _forward_difference
 
-        ran = [("at the end of its forward", None, ["<root>", "a", "b", "optimizer steps: 2"], None, False), ("at the end of its forward", None, ["<root>", "b", "optimizer steps: 2"], None, False)]
+        ran = [(0, ("at the end of its forward", None, ["<root>", "a", "b", "optimizer steps: 2"], None, False)), (1, ("at the end of its forward", None, ["<root>", "b", "optimizer steps: 2"], None, False))]
         self.assertExpectedInline(_forward_difference(ran), """the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #1 of this forward differs: rank 0 ran a; rank 1 ran b""")
-        steps = [("at the end of its forward", None, ["<root>", "optimizer steps: 2"], None, False), ("at the end of its forward", None, ["<root>", "optimizer steps: 3"], None, False)]
+        steps = [(0, ("at the end of its forward", None, ["<root>", "optimizer steps: 2"], None, False)), (1, ("at the end of its forward", None, ["<root>", "optimizer steps: 3"], None, False))]
         self.assertExpectedInline(_forward_difference(steps), """the ranks called optimizer.step() on this model a different number of times before this forward (rank 0: 2; rank 1: 3): a rank that steps alone, or skips a step the others take, trains a different model from then on (every rank must step together)""")

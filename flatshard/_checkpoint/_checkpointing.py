@@ -58,13 +58,14 @@ def model_root(module: nn.Module) -> Unit:
 
 
 @contextlib.contextmanager
-def guarded_call(model: Any, name: str, clears: bool = False) -> Iterator[None]:
+def guarded_call(model: Any, name: str, clears: bool = False, collective: bool = True) -> Iterator[None]:
     """Run the ``with`` block as the call ``name`` of the guard of every root in ``model`` (a
     module's tree, a unit, or a list of units), in order: [Note: one guarded path] in
     ``_comm/_guard``. A backward that raised is settled first, so its record precedes the call.
     ``clears``: the call restores the model's state (a load), so a failed optimizer step it
     carries does not stop it and is forgotten once it succeeds ([Note: a failed optimizer
-    step] in ``_engine/_runtime``)."""
+    step] in ``_engine/_runtime``). ``collective=False``: the operation may make no collective
+    (a local state dict), so an error before one is this rank's alone (``Guard.call``)."""
     if isinstance(model, Unit):
         units = [model]
     elif isinstance(model, nn.Module):
@@ -75,7 +76,7 @@ def guarded_call(model: Any, name: str, clears: bool = False) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for root in roots:
             settle(root.ctx)
-            stack.enter_context(root_guard(root).call(name, clears=clears))
+            stack.enter_context(root_guard(root).call(name, clears=clears, collective=collective))
         yield
 
 

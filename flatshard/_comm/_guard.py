@@ -47,16 +47,17 @@ from .._base._common import guard_transition
 from .._base._errors import DivergedRanksError
 from ._collectives import Communicator, all_gather_object, backend_of, default_store, fingerprint, global_rank, timeout_of
 from ._host_checks import check_device
-from ._peer_failures import PeerFailedError, StepWatch, make_watch
+from ._peer_failures import PeerFailedError, StepWatch, make_watch, mark_raised_together
 
-__all__ = ["CallFailedError", "EntryState", "Guard", "Position", "make_guard"]
+__all__ = ["CallFailedError", "EntryState", "Guard", "Position", "make_guard", "places"]
 
 # What the ranks exchange to explain a failed position check: (where the rank is, its call
 # count there or None, what the check compared, the failure it carries or None, whether it
 # checks every collective).
 Position = Tuple[str, Optional[int], List[str], Optional[str], bool]
-# Explains a failed check: the ranks' positions -> text, or None for the guard's own words.
-Explain = Callable[[List[Position]], Optional[str]]
+# Explains a failed check: every rank's position, by global rank -> text, or None for the
+# guard's own words.
+Explain = Callable[[List[Tuple[int, Position]]], Optional[str]]
 
 
 class CallFailedError(PeerFailedError):
@@ -103,6 +104,7 @@ class Guard:
         # that raised partway: [Note: a failed optimizer step] in ``_engine/_runtime``).
         self.carried: Optional[str] = None
         self._ignore_carried = False  # the open call restores the model (see ``call``)
+        self._collective = True  # the open call communicates on every rank (see ``call``)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -125,7 +127,7 @@ class Guard:
     # -- calls ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def call(self, name: str, exit_check: bool = True, clears: bool = False) -> Iterator["Guard"]:
+    def call(self, name: str, exit_check: bool = True, clears: bool = False, collective: bool = True) -> Iterator["Guard"]:
         """Run the ``with`` block as the call ``name`` (see [Note: one guarded path]).
 
         Args:
@@ -133,22 +135,24 @@ class Guard:
             exit_check: end with an exit check on success.
             clears: the call restores the model (a load): a failure this rank carries does not
                 stop it, and is cleared when it succeeds.
+            collective: the call communicates on every rank when it succeeds (``False``: it may
+                not, so an error before its first collective is this rank's alone).
         """
-        opened = self.open(name, exit_check=exit_check, ignore_carried=clears)
+        opened = self.open(name, exit_check=exit_check, ignore_carried=clears, collective=collective)
+        # (a call inside a call closes too: ``close`` then takes back only its depth)
         try:
             yield self
         except BaseException as error:
-            if opened:
-                self.close(error, name)
+            self.close(error, name)
             raise
-        if opened:
-            self.close(None, name)
-            if clears:
-                self.carried = None
+        self.close(None, name)
+        if opened and clears:
+            self.carried = None
 
-    def open(self, name: str, eager: bool = False, exit_check: bool = True, ignore_carried: bool = False) -> bool:
-        """Open the call ``name``; ``False`` if a call is open already (this one is part of it).
-        ``eager``: make the entry check now rather than before the first collective."""
+    def open(self, name: str, eager: bool = False, exit_check: bool = True, ignore_carried: bool = False, collective: bool = True) -> bool:
+        """Open the call ``name``; ``False`` if a call is open already (this one is part of it,
+        and its ``close`` only takes back its depth). ``eager``: make the entry check now rather
+        than before the first collective."""
         if self.depth:
             self.depth += 1
             return False
@@ -157,6 +161,7 @@ class Guard:
         self.name, self.depth, self.exit_check = name, 1, exit_check
         self._move((EntryState.CLOSED,), EntryState.PENDING)
         self._ignore_carried = ignore_carried
+        self._collective = collective
         if eager:
             self.check_entry()
         return True
@@ -164,49 +169,53 @@ class Guard:
     def close(self, error: Optional[BaseException], where: str) -> None:
         """Close the call opened last: with ``error``, tell the peers (before its first
         collective through the entry check, which raises on every rank; after it through the
-        watch); without, make the exit check if the call communicated and asked for one."""
+        watch, which settles with them); without, make the exit check if the call communicated
+        and asked for one."""
         if self.depth > 1:
             self.depth -= 1
-            if error is not None and self.entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
+            if error is not None and self.entry in (EntryState.CHECKING, EntryState.CHECKED):
                 # (the peers hear it now: code that runs while it unwinds, such as a finally
                 # block, must not make collectives they would pair with theirs)
-                self.watch.leave(f"{where} (call #{self.count})", error)
+                self._leave(f"{where} (call #{self.count})", error)
             return
         entry, name = self.entry, self.name or where
         try:
             if error is None:
                 if entry is EntryState.CHECKED and self.exit_check:
                     self._check_exit(name, where)
-            elif entry is EntryState.PENDING:
+            elif entry is EntryState.PENDING and self._collective:
                 try:
                     self._check_entry_with(error)
-                except BaseException:  # noqa: BLE001 - the peers heard; this rank raises its own error
-                    pass
-            elif entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
-                self.watch.leave(f"{where} (call #{self.count})", error)
+                except (DivergedRanksError, CallFailedError):  # (the peers heard; this rank raises its own error)
+                    mark_raised_together(error)
+            elif entry in (EntryState.CHECKING, EntryState.CHECKED):
+                self._leave(f"{where} (call #{self.count})", error)
         finally:
             self.depth, self.name = 0, None
             self.entry = EntryState.CLOSED  # (from any state: the call is over)
+
+    def _leave(self, where: str, error: BaseException) -> None:
+        if self.watch is not None:
+            self.watch.leave(where, error)
 
     def _check_exit(self, name: str, where: str) -> None:
         """The exit check; this rank raising during it (not the check's own verdict, which every
         rank reaches) leaves the call like any other error after its entry check."""
         try:
             self.position(f"at the end of {name}", [], count=self.count)
-        except (DivergedRanksError, CallFailedError):
-            raise
         except BaseException as error:
-            if self.watch is not None:
-                self.watch.leave(f"{where} (call #{self.count})", error)
+            self._leave(f"{where} (call #{self.count})", error)
             raise
 
     def abandon(self, text: str) -> None:
         """Close the open call as one this rank left after its entry check, for the reason
         ``text`` (it names the rank): e.g. a backward that raised, seen only afterwards."""
-        if self.entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
-            self.watch.leave_with(text)
-        self.depth, self.name = 0, None
-        self.entry = EntryState.CLOSED  # (from any state: the call is over)
+        try:
+            if self.entry in (EntryState.CHECKING, EntryState.CHECKED) and self.watch is not None:
+                self.watch.leave_with(text)
+        finally:
+            self.depth, self.name = 0, None
+            self.entry = EntryState.CLOSED  # (from any state: the call is over)
 
     def check_entry(self) -> None:
         """Make the open call's entry check now (before collectives this guard does not see,
@@ -245,6 +254,7 @@ class Guard:
             self._move((EntryState.CHECKING,), EntryState.RAISED)
             if error is None:
                 raise CallFailedError(f"[rank {self._rank()}] {failure}")
+            mark_raised_together(error)
             return
         self._move((EntryState.CHECKING,), EntryState.CHECKED)
 
@@ -271,8 +281,13 @@ class Guard:
         self, kind: str, items: List[str], failure: Optional[str] = None, explain: Optional[Explain] = None, count: Optional[int] = None
     ) -> None:
         """Every rank of the guard is at ``kind`` (its ``count``-th call, if given) with the same
-        ``items`` and no ``failure``, or every rank raises: one constant-size agreement per check
-        group; on a difference an object all-gather of every rank's position, to name it."""
+        ``items`` and no ``failure``, or every rank raises.
+
+        One constant-size agreement per check group, in order, each carrying whether the groups
+        before it agreed: a shard group's verdict reaches every replica, so every rank of every
+        group reaches the same verdict and makes the same collectives whatever it is. On a
+        difference, an object all-gather per group (of what the groups before gathered) gives
+        every rank every rank's position, by global rank, to name them."""
         if not self.live:
             if failure is not None:
                 raise CallFailedError(f"[rank {self._rank()}] {failure}")
@@ -280,24 +295,30 @@ class Guard:
         # (whether a rank checks every collective is part of every position: ranks that differ
         # there would pair one's per-collective checks with another's data)
         digest = fingerprint("\n".join([kind, str(count), *items, f"failed: {failure}" if failure else "ok", str(self.checking)]))
+        agreed = True
         for comm in self.checks:
-            if comm.agree(digest, check_device(comm, self.device)):
-                continue
-            everyone = all_gather_object((kind, count, list(items), failure, self.checking), comm)
-            raise _diverged(comm.rank, everyone, explain)
+            agreed = bool(comm.agree(digest if agreed else digest ^ 1, check_device(comm, self.device))) and agreed
+        if agreed:
+            return
+        everyone: List[Tuple[int, Position]] = [(self._rank(), (kind, count, list(items), failure, self.checking))]
+        for comm in self.checks:
+            everyone = [entry for share in all_gather_object(everyone, comm) for entry in share]
+        error = _diverged(self._rank(), sorted(dict(everyone).items()), explain)
+        mark_raised_together(error)
+        raise error
 
     def _rank(self) -> int:
         return self.watch.rank if self.watch is not None else (global_rank() if dist.is_initialized() else 0)
 
 
-def _diverged(rank: int, everyone: List[Position], explain: Optional[Explain]) -> BaseException:
-    """The error of a failed position check, on rank ``rank`` (the same text on every rank,
-    but for the rank prefix): a failure some rank carried, else where each rank is."""
-    failure = next((failure for _, _, _, failure, _ in everyone if failure is not None), None)
+def _diverged(rank: int, everyone: List[Tuple[int, Position]], explain: Optional[Explain]) -> BaseException:
+    """The error of a failed position check, on (global) rank ``rank`` (the same text on every
+    rank, but for the rank prefix): a failure some rank carried, else where each rank is."""
+    failure = next((p[3] for _, p in everyone if p[3] is not None), None)
     if failure is not None:  # (each names its rank)
         return CallFailedError(f"[rank {rank}] {failure}")
-    if len({checking for *_, checking in everyone}) > 1:
-        levels = "; ".join(f"rank {r}: {'DETAIL' if checking else 'not DETAIL'}" for r, (*_, checking) in enumerate(everyone))
+    if len({p[4] for _, p in everyone}) > 1:
+        levels = "; ".join(f"rank {r}: {'DETAIL' if p[4] else 'not DETAIL'}" for r, p in everyone)
         return DivergedRanksError(
             f"[rank {rank}] the ranks' TORCH_DISTRIBUTED_DEBUG levels differ ({levels}): under DETAIL every "
             f"collective is checked, which only works when every rank checks; set it alike on every rank"
@@ -305,14 +326,16 @@ def _diverged(rank: int, everyone: List[Position], explain: Optional[Explain]) -
     text = explain(everyone) if explain is not None else None
     if text is not None:
         return DivergedRanksError(f"[rank {rank}] {text}")
-    places = "; ".join(
-        f"rank {r} is {kind}" + (f" (call #{count})" if count is not None else "") for r, (kind, count, *_) in enumerate(everyone)
-    )
     return DivergedRanksError(
-        f"[rank {rank}] the ranks are at different places: {places}. Every rank must make the same flatshard "
-        f"calls in the same order (a rank that skipped a backward, a call or a step the others made, or "
-        f"made one they did not, has diverged)"
+        f"[rank {rank}] the ranks are at different places: {places(everyone)}. Every rank must make the same "
+        f"flatshard calls in the same order (a rank that skipped a backward, a call or a step the others made, "
+        f"or made one they did not, has diverged)"
     )
+
+
+def places(everyone: List[Tuple[int, Position]]) -> str:
+    """Where each rank is, by global rank."""
+    return "; ".join(f"rank {r} is {p[0]}" + (f" (call #{p[1]})" if p[1] is not None else "") for r, p in everyone)
 
 
 def make_guard(comms: Sequence[Optional[Communicator]], device: torch.device) -> Guard:
@@ -321,11 +344,10 @@ def make_guard(comms: Sequence[Optional[Communicator]], device: torch.device) ->
     present = [c for c in comms if c is not None]
     ranks = sorted({r for c in present for r in _ranks(c)})
     live = len(ranks) > 1 and not any("fake" in backend_of(c.group).lower() for c in present)
-    watch = None
+    guard = Guard(None, [c for c in present if c.world_size > 1], device, live)
     if live and dist.is_initialized():
         me = global_rank()
-        watch = make_watch(default_store(), me, [r for r in ranks if r != me], _timeout(present))
-    guard = Guard(watch, [c for c in present if c.world_size > 1], device, live)
+        guard.watch = make_watch(default_store(), me, [r for r in ranks if r != me], _timeout(present))
     for comm in present:
         guard.bind(comm)
     return guard

@@ -3,33 +3,33 @@
 [Note: peer failures] A rank whose flatshard call raises after the call's first collective
 (a forward or backward that raised, a state dict, a clip, a checkpoint: see [Note: one guarded
 path] in ``_guard``) leaves its peers inside that call's collectives: they would wait for it
-until the process group's timeout, or pair their next collectives with the wrong ones. (A call
-that raises before its first collective tells its peers through the call's entry check
-instead, and the process group stays usable.) So every ``Guard`` has a ``StepWatch``:
+until the process group's timeout, or pair their next collectives with the wrong ones (gloo
+aborts the process on a size mismatch). (A call that raises before its first collective tells
+its peers through the call's entry check instead, and the process group stays usable.) So every
+``Guard`` has a ``StepWatch``:
 
 - a rank that leaves a call (its forward raised: ``abandon_forward``; its backward raised: the
   next call's ``settle``; any other guarded call raised after its entry check; a collective of
-  its own failed) writes one record in the process group's store: LEFT, with the call's tag and
-  what it raised, where;
+  its own failed) writes one record in the default store: LEFT, with the call's tag and what
+  it raised, where; then it settles at once, before its error reaches the caller: it waits
+  until every peer has a record for that call. Every peer that left the same call too (every
+  rank raised alike in its own code, nothing left in flight: e.g. a forward that raises alike
+  on every rank, see [Note: a forward that raised]) -- then each writes CLEARED and the ranks
+  go on. Else the rank is stuck. Settling at once means the rank makes no other collective
+  (of another object over the same group, say) while a peer still waits in the one it left;
 - waits on gloo collectives and on the shared-memory exchange run in slices of ``SLICE_S``; a
-  wait that outlasts a slice looks at the peers' records, and a LEFT that this rank did not
-  leave alike, or a STUCK, ends the wait with an error naming that rank, what it raised and
-  where. The rank that raised it is then stuck (its collective can never complete) and writes
-  STUCK;
-- the rank that left settles at its next flatshard collective: it goes on only if every peer
-  left the same call (the same tag) without being stuck -- every rank raised alike in its own
-  code and nothing was left in flight, e.g. a forward that raises alike on every rank, see
-  [Note: a forward that raised] -- and then writes CLEARED; else it raises. It waits for the
-  peers' records for up to the process group's timeout to decide.
-- A stuck rank raises at every later collective of its guard: its process group holds a
-  collective that will never complete, and gloo would pair the next ones with the wrong
-  partners.
+  wait that outlasts a slice looks at the peers' records, and a LEFT of a call this rank did
+  not leave alike, or a STUCK, ends the wait with an error naming that rank, what it raised
+  and where. The rank that raised it is then stuck: its process group holds a collective that
+  can never complete;
+- a stuck rank raises at every later call of its guard, and of every other flatshard object
+  of its process ([Note: a stuck process]): none of them makes another collective.
 
-The records live under a key of the set of ranks (one record per rank), not of one model, so
-the other flatshard objects over the same ranks (a second model, a ``RunCheckpoints``, a
-``ShardedGradScaler``) see them too: a rank that left one object's call and then waits in
-another's, or whose peer does, still learns it. Tags name the object (numbered in creation
-order per set of ranks, the same on every rank) and its call count.
+The records live under one key per rank for the whole job, so every flatshard object sees them
+(a second model, a ``RunCheckpoints``, a ``ShardedGradScaler``): a rank that waits in one
+object's call learns of a peer that left another's. Tags name the object (its number among this
+rank's watches, the same on every rank when the ranks make the same objects in the same order)
+and its call count.
 
 While nothing fails nothing touches the store: a wait shorter than a slice costs what it did,
 and a longer one costs one store lookup per peer per slice. A wait that reaches the process
@@ -45,7 +45,7 @@ learn nothing before the timeout report.
 
 from __future__ import annotations
 
-import hashlib
+import gc
 import os
 import socket
 import time
@@ -55,10 +55,14 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PeerFailedError", "RecordState", "StepWatch", "SLICE_S", "make_watch"]
+__all__ = ["PeerFailedError", "RecordState", "StepWatch", "SLICE_S", "make_watch", "mark_raised_together", "raised_together"]
 
 # How long a wait runs before it looks at the peers' records (and between looks).
 SLICE_S = 1.0
+# Where every rank's record and its watches' count live in the default store.
+_KEY = "flatshard/watch"
+# The note on an error every rank raised at once (``mark_raised_together``).
+_TOGETHER = "(flatshard: every rank raised this together, before any collective could pair wrongly; the process group is usable)"
 # How often the rank that left a call looks for its peers' records while it decides.
 _POLL_S = 0.05
 _LAST = 8  # collectives remembered for the timeout report
@@ -97,24 +101,22 @@ class StepWatch:
 
     Args:
         store: a store every rank reaches (``torch.distributed.Store``).
-        key: the prefix of the records of this set of ranks, the same on every rank.
-        number: which object over this set of ranks the watch is (the same on every rank).
+        number: which watch of this rank it is (the same on every rank).
         rank: this rank (global); ``peers``: the other ranks of the guard's groups (global).
         timeout: the process group's timeout.
     """
 
-    def __init__(self, store: Any, key: str, number: int, rank: int, peers: List[int], timeout: timedelta) -> None:
+    def __init__(self, store: Any, number: int, rank: int, peers: List[int], timeout: timedelta) -> None:
         self.store = store
-        self.key = key
         self.number = number
         self.rank = rank
         self.peers = list(peers)
         self.timeout_s = timeout.total_seconds()
         self.step = 0  # root forwards (the "step" errors name)
-        self.calls = 0  # calls entered, forwards included (the tags' count)
+        self.calls = 0  # calls counted (the tags' count)
         self.tag = self._tag()  # the call this rank is in, or was in last
-        # The call this rank left (with what it said), not yet settled with the peers.
-        self.left: Optional[_Record] = None
+        self.left_tag = ""  # the last call this rank left (its record written)
+        self.settled_tag = ""  # the last call this rank left and settled with its peers
         # Why this rank's process group can no longer be used.
         self.stuck: Optional[str] = None
         self.issued = 0  # collectives issued through this guard
@@ -130,11 +132,9 @@ class StepWatch:
         self.step += 1
 
     def enter(self) -> None:
-        """A call starts: raise if this rank cannot take part; settle a call it left."""
+        """A call starts: raise if this rank cannot take part."""
         if self.stuck is not None:
-            raise PeerFailedError(self.stuck)
-        if self.left is not None:
-            self._settle_left()
+            raise PeerFailedError(self._said(self.stuck))
 
     def next_call(self) -> None:
         """The call that started makes its first collective: it counts from now on."""
@@ -144,38 +144,38 @@ class StepWatch:
     def issue(self, what: str) -> None:
         """Before each collective: raise if this rank cannot take part (see the Note)."""
         if self.stuck is not None:
-            raise PeerFailedError(self.stuck)
-        if self.left is not None:
-            self._settle_left()
+            raise PeerFailedError(self._said(self.stuck))
         self.issued += 1
         self.last.append((self.issued, self.step, what))
 
     # -- leaving a call ---------------------------------------------------------------------------
 
     def leave(self, where: str, error: BaseException) -> None:
-        """This rank leaves the current call: its ``where`` (what and which phase) raised ``error``."""
-        if isinstance(error, PeerFailedError) or self.stuck is not None:
-            return  # (its record says so already)
+        """This rank leaves the current call: its ``where`` (what and which phase) raised
+        ``error``. Settles with the peers before returning (see the Note); the caller raises."""
+        if isinstance(error, PeerFailedError) or raised_together(error):
+            return  # (its peers know: it is stuck, or every rank raised it at once)
         self.leave_with(f"rank {self.rank} raised {type(error).__name__}({_short(error)}) in {where}")
 
     def leave_with(self, text: str) -> None:
-        """This rank leaves the current call, for the reason ``text`` (it names the rank). A
-        call of another object's guard inside this one that left first (its record is still
-        LEFT) stands for both: this watch settles on its tag."""
-        if self.stuck is None and (self.left is None or self.left.tag != self.tag):
-            mine = self._read(self.rank)
-            if mine is not None and mine.state is RecordState.LEFT and mine.tag != self.tag:
-                self.left = mine
-                return
-            self.left = _Record(RecordState.LEFT, self.tag, text)
-            self._write(self.left)
-
-    def _settle_left(self) -> None:
-        """Continue only if every peer left the same call without being stuck; else raise."""
-        left = self.left
-        self.left = None
-        if left is None:
+        """This rank leaves the current call, for the reason ``text`` (it names the rank), and
+        settles with the peers (see the Note)."""
+        if self.stuck is not None or self.settled_tag == self.tag:
             return
+        self.announce(text)
+        self.settled_tag = self.tag
+        self._settle(_Record(RecordState.LEFT, self.tag, text))
+
+    def announce(self, text: str) -> None:
+        """Write that this rank leaves the current call, for the reason ``text``, without
+        settling (a finalizer must not wait); ``leave_with`` settles later."""
+        if self.stuck is None and self.left_tag != self.tag:
+            self.left_tag = self.tag
+            self._write(_Record(RecordState.LEFT, self.tag, text))
+
+    def _settle(self, left: _Record) -> None:
+        """Wait until every peer has a record of the call this rank left: go on (CLEARED) if
+        every one left it too, else become stuck."""
         deadline = time.monotonic() + self.timeout_s
         pending = list(self.peers)
         while pending:
@@ -184,28 +184,33 @@ class StepWatch:
                 if record is None or (record.state is not RecordState.STUCK and record.tag != left.tag and not _later(record.tag, left.tag)):
                     continue  # (nothing yet about this call: it is still in it, or has not heard)
                 if record.state is RecordState.STUCK or record.tag != left.tag:
-                    self._raise_stuck(f"{left.text}; rank {peer} could not go on: {record.text}")
+                    self._become_stuck(f"the ranks cannot go on together: {left.text}; rank {peer} could not go on: {record.text}")
+                    return
                 pending.remove(peer)
-            if pending and time.monotonic() > deadline:
-                self._raise_stuck(
-                    f"{left.text}, and ranks {pending} did not leave that call within the process group's "
-                    f"timeout ({self.timeout_s:.0f} s)"
+            if pending and (time.monotonic() > deadline or self._exited_peers(pending)):
+                gone = "; ".join(self._exited_peers(pending))
+                self._become_stuck(
+                    f"the ranks cannot go on together: {left.text}, and ranks {pending} did not leave that call "
+                    + (f"({gone})" if gone else f"within the process group's timeout ({self.timeout_s:.0f} s)")
                 )
+                return
             if pending:
                 time.sleep(_POLL_S)
         self._write(_Record(RecordState.CLEARED, left.tag, left.text))
 
-    def _raise_stuck(self, why: str) -> None:
-        self.stuck = f"[rank {self.rank}] the ranks cannot go on together: {why}"
-        self._write(_Record(RecordState.STUCK, self.tag, self.stuck))
-        raise PeerFailedError(self.stuck)
+    def _become_stuck(self, why: str) -> None:
+        """This rank's groups hold, or a peer's hold, a collective that can never complete: say
+        so, and stop every other flatshard object of this process too ([Note: a stuck process])."""
+        self.stuck = why
+        self._write(_Record(RecordState.STUCK, self.tag, why))
+        _stop_other_watches(self, why)
 
     # -- waiting ----------------------------------------------------------------------------------
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` (a gloo ``Work``) in slices, looking at the peers' records."""
         if self.stuck is not None:
-            raise PeerFailedError(self.stuck)
+            raise PeerFailedError(self._said(self.stuck))
         started = time.monotonic()
         while True:
             try:
@@ -229,7 +234,7 @@ class StepWatch:
         waited = time.monotonic() - started
         if "Timed out" in str(exc) or waited >= self.timeout_s:
             self.fail_wait(self.timeout_report(what, max(waited, self.timeout_s)))
-        gone = "; ".join(self._exited_peers())
+        gone = "; ".join(self._exited_peers(self.peers))
         self.fail_wait(f"{gone + ': ' if gone else ''}{failure}")
 
     def _peer_failure(self) -> Optional[_Record]:
@@ -241,8 +246,8 @@ class StepWatch:
             if record is None or record.state is RecordState.CLEARED:
                 continue
             if record.state is RecordState.LEFT:
-                if self.left is not None and self.left.tag == record.tag:
-                    continue  # (left alike: settling decides)
+                if record.tag == self.left_tag:
+                    continue  # (left alike: settling)
                 mine = mine or self._read(self.rank) or _Record(RecordState.CLEARED, "", "")
                 if mine.state is not RecordState.STUCK and mine.tag == record.tag:
                     continue  # (this rank left that call too, through another object's guard)
@@ -259,21 +264,23 @@ class StepWatch:
 
     def fail_wait(self, why: str) -> None:
         """A wait of this rank ends in an error: its collective can never complete."""
-        self.stuck = f"[rank {self.rank}] {why}"
-        self._write(_Record(RecordState.STUCK, self.tag, self.stuck))
-        raise PeerFailedError(self.stuck)
+        self._become_stuck(why)
+        raise PeerFailedError(self._said(why))
+
+    def _said(self, why: str) -> str:
+        return f"[rank {self.rank}] {why}"
 
     def timeout_report(self, what: str, waited: float) -> str:
         """What a rank that waited the whole timeout says: its last collectives, which peers
         reached the same one, and the step."""
         mine = f"{self.tag}:{self.issued}"
-        self.store.set(f"{self.key}/at/{self.rank}", f"{mine}|{what}".encode())
+        self.store.set(f"{_KEY}/at/{self.rank}", f"{mine}|{what}".encode())
         deadline = time.monotonic() + min(2 * SLICE_S, self.timeout_s)
         theirs: Dict[int, str] = {}
         while time.monotonic() < deadline and len(theirs) < len(self.peers):
             for peer in self.peers:
-                if peer not in theirs and self.store.check([f"{self.key}/at/{peer}"]):
-                    theirs[peer] = self.store.get(f"{self.key}/at/{peer}").decode(errors="replace")
+                if peer not in theirs and self.store.check([f"{_KEY}/at/{peer}"]):
+                    theirs[peer] = self.store.get(f"{_KEY}/at/{peer}").decode(errors="replace")
             time.sleep(_POLL_S)
         joined = [p for p, v in theirs.items() if v.split("|", 1)[0] == mine]
         behind = [p for p in self.peers if p not in joined]
@@ -286,11 +293,12 @@ class StepWatch:
         ]
         return "\n".join(lines)
 
-    def _exited_peers(self) -> List[str]:
-        """The peers on this host whose process has exited (a peer elsewhere cannot be looked at)."""
+    def _exited_peers(self, peers: Sequence[int]) -> List[str]:
+        """Of ``peers``, those on this host whose process has exited (a peer elsewhere cannot
+        be looked at)."""
         gone = []
-        for peer in self.peers:
-            key = f"{self.key}/process/{peer}"
+        for peer in peers:
+            key = f"{_KEY}/process/{peer}"
             try:
                 if not self.store.check([key]):
                     continue
@@ -305,12 +313,12 @@ class StepWatch:
 
     def _write(self, record: _Record) -> None:
         try:
-            self.store.set(f"{self.key}/left/{self.rank}", record.encode())
+            self.store.set(f"{_KEY}/left/{self.rank}", record.encode())
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing left to tell
             pass
 
     def _read(self, rank: int) -> Optional[_Record]:
-        key = f"{self.key}/left/{rank}"
+        key = f"{_KEY}/left/{rank}"
         try:
             if not self.store.check([key]):
                 return None
@@ -320,17 +328,41 @@ class StepWatch:
 
 
 def make_watch(store: Any, rank: int, peers: Sequence[int], timeout: timedelta) -> Optional[StepWatch]:
-    """A new guard's ``StepWatch``: its records' key is that of its set of ranks, its number
-    this rank's count of watches over that set so far, the same on every rank (the ranks make
-    the same objects in the same order)."""
+    """A new guard's ``StepWatch``: its number is this rank's count of watches so far, the
+    same on every rank of its groups when the ranks make the same objects in the same order."""
     if not peers:
         return None
-    ranks = ",".join(str(r) for r in sorted({rank, *peers}))
-    key = "flatshard/ranks-" + hashlib.sha256(ranks.encode()).hexdigest()[:16]
-    number = store.add(f"{key}/watches/{rank}", 1)
-    watch = StepWatch(store, key, number, rank, [p for p in peers if p != rank], timeout)
-    store.set(f"{key}/process/{rank}", f"{socket.gethostname()}:{os.getpid()}".encode())
+    number = store.add(f"{_KEY}/watches/{rank}", 1)
+    watch = StepWatch(store, number, rank, [p for p in peers if p != rank], timeout)
+    store.set(f"{_KEY}/process/{rank}", f"{socket.gethostname()}:{os.getpid()}".encode())
     return watch
+
+
+def _stop_other_watches(stuck: StepWatch, why: str) -> None:
+    """[Note: a stuck process] A rank becomes stuck in one object's call: a peer holds a
+    collective this rank never issued (or this rank holds one a peer never will), on a group
+    that other flatshard objects of this process may share (a second model, a
+    ``RunCheckpoints``, a scaler, the same model's deep copy). The next collective any of them
+    issues there would be paired with that orphan -- gloo aborts the process on the size
+    mismatch (``gloo::EnforceNotMet``) -- so every watch of this process is stopped with it:
+    each raises at its next call instead of communicating. They are found among the objects the
+    garbage collector tracks (this runs once, when a rank gets stuck; there is no registry of
+    watches, and none is needed while nothing fails)."""
+    for other in gc.get_objects():
+        if type(other) is StepWatch and other is not stuck and other.stuck is None and other.rank == stuck.rank:
+            other.stuck = f"{why} (this rank stopped there, in another flatshard object's call)"
+
+
+def raised_together(error: BaseException) -> bool:
+    """Whether ``error`` was raised on every rank at once (by an entry check or a position
+    check, see ``mark_raised_together``): its peers know, and the process group is usable."""
+    return _TOGETHER in getattr(error, "__notes__", ())
+
+
+def mark_raised_together(error: BaseException) -> None:
+    """Note on ``error`` that every rank raised at once where this rank raised it."""
+    if not raised_together(error):
+        error.add_note(_TOGETHER)
 
 
 def _later(tag: str, than: str) -> bool:

@@ -15,7 +15,7 @@ next forward after such a step raises on every rank, naming each rank's count.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -77,40 +77,44 @@ RULE = "every rank must run the same units in the same order, e.g. no data-depen
 _PER_COLLECTIVE = "(a per-collective check)"  # what such a check compares: the rest is its kind
 
 
-def _units_differ(everyone: List[Position]) -> str:
+Ranked = List[Tuple[int, Position]]  # every rank's position, by global rank
+
+
+def _units_differ(everyone: Ranked) -> str:
     """Ranks at different per-collective checks, or one at such a check and one elsewhere."""
-    return f"the ranks ran different units ({RULE}): " + "; ".join(f"rank {r} is {kind}" for r, (kind, *_) in enumerate(everyone))
+    return f"the ranks ran different units ({RULE}): " + "; ".join(f"rank {r} is {p[0]}" for r, p in everyone)
 
 
-def _elsewhere(everyone: List[Position]) -> Optional[str]:
+def _elsewhere(everyone: Ranked) -> Optional[str]:
     """For a check some rank is not at: the units differ if a rank is at a per-collective
     check; else ``None`` (the guard names where each rank is)."""
-    return _units_differ(everyone) if any(items == [_PER_COLLECTIVE] for _, _, items, *_ in everyone) else None
+    return _units_differ(everyone) if any(p[2] == [_PER_COLLECTIVE] for _, p in everyone) else None
 
 
-def _forward_difference(everyone: List[Position]) -> Optional[str]:
-    if len({kind for kind, *_ in everyone}) > 1:
+def _forward_difference(everyone: Ranked) -> Optional[str]:
+    if len({p[0] for _, p in everyone}) > 1:
         return _elsewhere(everyone)
-    ran_lists = [items[:-1] for _, _, items, *_ in everyone]
-    steps = [items[-1].split(": ", 1)[-1] for _, _, items, *_ in everyone]
+    ranks = [r for r, _ in everyone]
+    ran_lists = [p[2][:-1] for _, p in everyone]
+    steps = [p[2][-1].split(": ", 1)[-1] for _, p in everyone]
     if all(names == ran_lists[0] for names in ran_lists):  # see [Note: steps agree]
-        counts = "; ".join(f"rank {r}: {n}" for r, n in enumerate(steps))
+        counts = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, steps))
         return (
             f"the ranks called optimizer.step() on this model a different number of times before this "
             f"forward ({counts}): a rank that steps alone, or skips a step the others take, trains a "
             f"different model from then on (every rank must step together)"
         )
     first = min(d.index for d in differences(ran_lists, "nothing"))  # where any rank differs
-    ran = "; ".join(f"rank {r} ran {item_at(names, first, 'nothing')}" for r, names in enumerate(ran_lists))
+    ran = "; ".join(f"rank {r} ran {item_at(names, first, 'nothing')}" for r, names in zip(ranks, ran_lists))
     return f"the ranks ran different units ({RULE}): unit #{first} of this forward differs: {ran}"
 
 
-def _backward_difference(everyone: List[Position]) -> Optional[str]:
-    if len({kind for kind, *_ in everyone}) > 1:
+def _backward_difference(everyone: Ranked) -> Optional[str]:
+    if len({p[0] for _, p in everyone}) > 1:
         return _elsewhere(everyone)
-    per_rank = [reached for _, _, reached, *_ in everyone]
-    union = sorted(set().union(*per_rank))
-    lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in enumerate(per_rank)]
+    per_rank = [(r, p[2]) for r, p in everyone]
+    union = sorted(set().union(*(reached for _, reached in per_rank)))
+    lines = [f"rank {r}: {', '.join(n for n in union if n not in theirs) or 'none'}" for r, theirs in per_rank]
     return (
         "the ranks' backward passes differ: they reach different units' parameters, so their gradient "
         "reductions cannot be matched (every rank's loss must use the same units and outputs, e.g. no "

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Tuple
 import torch
 
 from .._base._common import TrainingState
-from ._runtime import start_forward
+from ._forward import start_forward
 from ._unit import Unit
 
 

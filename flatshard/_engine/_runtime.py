@@ -1,7 +1,7 @@
 """Forward and backward of the units of one root: when to gather, free and reduce.
 
-``lazy_init`` binds a root's units to one ``RootRuntime`` (the root's ``RootContext``, with
-the behaviour); from then on the wrapper's forward, the autograd hooks (bound to it when
+``_forward.lazy_init`` binds a root's units to one ``RootRuntime`` (the root's ``RootContext``,
+with the behaviour); from then on the wrapper's forward, the autograd hooks (bound to it when
 registered) and the end-of-backward callback are its methods.
 
 [Note: unit life cycle] Per iteration a unit goes IDLE -> FORWARD -> IDLE (its forward),
@@ -34,7 +34,7 @@ import contextlib
 import functools
 import sys
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd import Variable
@@ -42,13 +42,10 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._agreement import AgreementChecks
 from .._base._compile import dynamo_loaded, outside_graph
-from .._comm._collectives import timeout_of
-from .._comm._guard import Guard
 from .._base._common import HandleState, TrainingState, attribute_set, display_name, iter_tensors, map_tensors, runs_code_of
 from .._flat._exec_order import END_OF_BACKWARD, GATHER, REDUCE, token
 from .._flat._saved import SavedParamGuard
-from .._comm._shared_memory import SharedMemoryChannel
-from ._unit import BackwardState, RootContext, Unit, bind_units, check_same_units, root_guard, root_of
+from ._unit import BackwardState, RootContext, Unit
 from ..api import BackwardPrefetch, ShardingStrategy
 from .._flat._flat_param import FlatParamHandle
 
@@ -70,110 +67,6 @@ _BACKWARD_POST = TrainingState.BACKWARD_POST
 MAX_REDUCTIONS_IN_FLIGHT = 2
 # How many units a prefetch may gather ahead of their use under limit_all_gathers.
 MAX_PREFETCHED = 2
-
-
-def lazy_init(unit: Unit) -> "RootRuntime":
-    """The runtime of ``unit``'s root, made (and bound to all its units) at the root's first
-    forward. Collective then: the ranks check once that they built the same units."""
-    if isinstance(unit.ctx, RootRuntime):
-        return unit.ctx
-    root = root_of(unit)
-    if isinstance(root.ctx, RootRuntime):
-        return root.ctx
-    check_same_units(root)
-    runtime = RootRuntime(root)
-    for member in runtime.units:
-        member.bind(runtime)
-        runtime.hook_new_trainables(member)
-    _share_memory(runtime.units, runtime.guard)
-    bind_units(runtime.guard, runtime.units)  # (again: the channels just made)
-    return runtime
-
-
-def _share_memory(units: Sequence[Unit], guard: Guard) -> None:
-    """Give the sharded handles of two ranks on gloo one shared-memory channel per process
-    group (whether it is used is settled at its first exchange): [Note: shared-memory
-    exchange] in ``_shared_memory``."""
-    by_group: Dict[int, List[Tuple[FlatParamHandle, str]]] = {}
-    for unit in units:
-        for index, handle in enumerate(unit.handles):
-            comm = handle.comm
-            if handle.sharded and comm.gloo and comm.world_size == 2 and comm.channel is None and handle.flat_param.device.type == "cpu":
-                label = ("unit " if unit.name else "") + display_name(unit.name)
-                label += f" (parameter group {index})" if len(unit.handles) > 1 else ""
-                by_group.setdefault(id(comm.group), []).append((handle, label))
-    for labelled in by_group.values():
-        group = labelled[0][0].comm.group
-        largest = max(h.shard_numel * max(4, h.flat_param.element_size()) for h, _ in labelled)
-        channel = SharedMemoryChannel(labelled[0][0].comm.sibling(group), largest, timeout_of(group))
-        for handle, label in labelled:
-            handle.comm.use_channel(channel, label)
-
-
-# What ``run_forward`` is given, under torch.compile, to make a callable opaque to dynamo.
-Opaque = Callable[[Callable[..., Any]], Callable[..., Any]]
-
-
-def run_forward(unit: Unit, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], opaque: Optional[Opaque] = None) -> Any:
-    """The wrapper's forward: start (gather, views, guard), run the wrapped module, finish
-    (free or hook for backward); abandon if anything raises.
-
-    [Note: torch.compile] Dynamo must not trace the runtime: it resizes storages, issues
-    collectives, changes unit and handle states and registers hooks, none of which belongs in
-    a graph (inductor cannot lower a storage resize, and a traced state change that a failed
-    compile never applies leaves the unit stuck). Torch's FSDP1 gets this for free (dynamo
-    skips torch.distributed's files); flatshard asks for it: when dynamo traces a wrapper's
-    forward, the wrapper calls this function through ``torch.compiler.disable(...,
-    recursive=False)``, so this frame runs eagerly while the frames it calls are compiled,
-    and passes ``opaque=torch.compiler.disable``, which keeps start, finish and abandon (and
-    everything they call) out of dynamo. So only the wrapped module's own code is compiled,
-    with a graph break at each unit's boundary, and an exception from it (a compile error
-    included) reaches the ``except`` here. The autograd hooks and callbacks the runtime
-    registers are opaque too once dynamo is loaded (``_compile``): a compiled function that
-    calls ``backward()`` runs them with dynamo's frame hook installed. flatshard itself never
-    imports dynamo (it costs a second, and warns without NumPy).
-    """
-    start = start_forward if opaque is None else opaque(start_forward)
-    step = start(unit, args, kwargs)
-    try:
-        output = module(*step.args, **step.kwargs)
-    except BaseException as error:
-        abandon = step.runtime.abandon_forward if opaque is None else opaque(step.runtime.abandon_forward)
-        abandon(step, error)
-        raise
-    finish = step.runtime.finish_forward if opaque is None else opaque(step.runtime.finish_forward)
-    return finish(step, output)
-
-
-def start_forward(unit: Unit, args: Tuple[Any, ...], kwargs: Dict[str, Any], check_every_collective: bool = False) -> "UnitForward":
-    """[Note: a forward is a guarded call] A root's forward (and a nested unit's forward run
-    outside its root's, and ``generate``) is a call of the root's guard ([Note: one guarded
-    path] in ``_comm/_guard``): a backward that raised is settled first (its record is written
-    before the call counts), then the call's entry check runs at once -- before the runtime is
-    made, before stale gathers are refreshed -- so a rank that skipped the backward the others
-    are in, or a call they made, or whose optimizer step failed, meets them in a check rather
-    than in a gather. The order check at the end of the root's forward is the call's exit check.
-    ``check_every_collective``: precede every collective of this forward by an order check
-    (an unsynced ``generate``)."""
-    guard = root_guard(unit)
-    if not in_backward():
-        settle(root_of(unit).ctx)  # (closes the call of a backward that raised)
-    owner = not in_backward() and guard.depth == 0
-    if owner:
-        if unit.is_root and guard.watch is not None:
-            guard.watch.begin_step()
-        guard.open(f"the forward of {_where(unit)}", exit_check=not unit.is_root)
-    try:
-        runtime = lazy_init(unit)
-        if check_every_collective:
-            runtime.checking = True
-        if owner:
-            runtime.check_forward_entry()
-        return runtime.start_forward(unit, args, kwargs, owner)
-    except BaseException as error:
-        if owner and guard.depth:
-            guard.close(error, f"the forward of {_where(unit)}")
-        raise
 
 
 class UnitForward:
@@ -249,7 +142,7 @@ def _label(unit: Unit) -> str:
     return display_name(unit.name)
 
 
-def _where(unit: Unit) -> str:
+def where_of(unit: Unit) -> str:
     return f"unit {display_name(unit.name)}" if unit.name else "the root unit"
 
 
@@ -306,26 +199,36 @@ class RootRuntime(AgreementChecks, RootContext):
         try:
             self._pre_forward(unit, (args, kwargs))
             step.saved.enter_context(self._guard_saved())
-        except BaseException:
-            self.abandon_forward(step)
+        except BaseException as error:
+            self.abandon_forward(step, error)
             raise
         return step
 
     def finish_forward(self, step: "UnitForward", output: Any) -> Any:
-        """The wrapper's forward after the wrapped module returned: free or hook for backward."""
+        """The wrapper's forward after the wrapped module returned: free or hook for backward.
+        Closes the forward's guarded call, also when this raises (the check ending a root's
+        forward, say)."""
         step.saved.close()
         unit = step.unit
-        for handle in unit.handles:
-            handle.end_forward()
-        if step.input_dtype is not None:  # a full-precision unit hands back the dtype it was given
-            dtype = step.input_dtype
-            output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
-        self._post_forward(unit, output)
-        if unit.is_root:
-            self._root_post_forward()
+        try:
+            for handle in unit.handles:
+                handle.end_forward()
+            if step.input_dtype is not None:  # a full-precision unit hands back the dtype it was given
+                dtype = step.input_dtype
+                output = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+            self._post_forward(unit, output)
+            if unit.is_root:
+                self._root_post_forward()
+        except BaseException as error:
+            if step.owns_call:
+                self.guard.close(error, self._forward_where(unit))
+            raise
         if step.owns_call:
-            self.guard.close(None, f"the forward of {_where(unit)}")
+            self.guard.close(None, self._forward_where(unit))
         return output
+
+    def _forward_where(self, unit: Unit) -> str:
+        return f"the forward of {where_of(unit)} of step {self.watch.step if self.watch is not None else 0}"
 
     def abandon_forward(self, step: "UnitForward", error: Optional[BaseException] = None) -> None:
         """[Note: a forward that raised] The wrapped module (or a compiler compiling it) raised:
@@ -335,9 +238,11 @@ class RootRuntime(AgreementChecks, RootContext):
         units that finished are garbage and their hooks never fire. Every rank must raise alike
         (the forward's collectives stop there); a rank that raises alone tells the others,
         which would wait for it (see [Note: peer failures] in ``_peer_failures``)."""
-        where = f"the forward of {_where(step.unit)} of step {self.watch.step if self.watch is not None else 0}"
-        if self.watch is not None and error is not None and self.guard.depth:
-            self.watch.leave(where, error)  # (the innermost unit names it; the call's own record is the same)
+        where = self._forward_where(step.unit)
+        if self.watch is not None and error is not None and self.guard.depth and not in_backward():
+            # (the innermost unit names it; the call's own record is the same. In a backward,
+            # it is a recomputation that activation checkpointing stops early: not a failure)
+            self.watch.leave(where, error)
         self.checking = self.every_collective_checked  # (an unsynced generate that raised)
         step.saved.close()
         for handle in step.unit.handles:
@@ -679,10 +584,10 @@ class RootRuntime(AgreementChecks, RootContext):
     def _queue_finalizer(self) -> None:
         if self.backward_state is BackwardState.IDLE:
             self.move((BackwardState.IDLE,), BackwardState.CALLBACK_QUEUED)
-            Variable._execution_engine.queue_callback(self.on_backward_end)
+            Variable._execution_engine.queue_callback(_BackwardEnd(self))
             step = self.watch.step if self.watch is not None else 0
-            # (no exit check: a rank whose backward raised is heard at the next call; a backward
-            # inside another call, e.g. a forward's, is part of that one and opens nothing)
+            # (no exit check: a rank whose backward raised is heard at once, see _BackwardEnd; a
+            # backward inside another call, e.g. a forward's, is part of that one and opens nothing)
             self.backward_owns_call = self.guard.depth == 0 and self.guard.open(f"the backward of step {step}", exit_check=False)
             self._check_backward_agrees()
 
@@ -693,8 +598,7 @@ class RootRuntime(AgreementChecks, RootContext):
         ``no_sync`` left in units this backward did not reach, free all, reset to IDLE."""
         if failed and self.backward_owns_call:
             self.backward_owns_call = False
-            step = self.watch.step if self.watch is not None else 0
-            self.guard.abandon(f"rank {self.root.rank}'s backward of step {step} raised (it never reached its end)")
+            self.guard.abandon(self._failed_backward())
         for unit, handle in self.reducing:
             if failed:
                 handle.discard_reduction()
@@ -718,6 +622,18 @@ class RootRuntime(AgreementChecks, RootContext):
         if self.backward_owns_call:
             self.backward_owns_call = False
             self.guard.close(None, "the backward")
+
+    def _failed_backward(self) -> str:
+        step = self.watch.step if self.watch is not None else 0
+        rank = self.watch.rank if self.watch is not None else self.root.rank
+        return f"rank {rank}'s backward of step {step} raised (it never reached its end)"
+
+    def backward_dropped(self) -> None:
+        """Autograd dropped this backward's end-of-backward callback without calling it: the
+        backward raised. Tell the peers at once ([Note: a backward that raised]); the cleanup,
+        and settling with them, wait for this rank's next call (``settle``)."""
+        if self.backward_owns_call and self.watch is not None and self.backward_state is BackwardState.CALLBACK_QUEUED:
+            self.watch.announce(self._failed_backward())
 
     def take_user_writes(self) -> None:
         """Before an optimizer step: what was written through the views of units left gathered
@@ -743,6 +659,39 @@ class RootRuntime(AgreementChecks, RootContext):
                     if handle.reduce_grad():
                         self._trace("reduce", self._handle_label(unit, handle))
                         self._trace("reduced", self._handle_label(unit, handle))
+
+
+class _BackwardEnd:
+    """The end-of-backward callback of one backward.
+
+    [Note: a backward that raised] Autograd runs a backward's queued callbacks only when the
+    backward completes; one that raised drops them. A rank whose backward raised on it alone
+    leaves its peers in the backward's collectives, and, were its record written only at its
+    next flatshard call, a rank that makes none (it logs, saves, tears down) would leave them
+    there until the timeout. So each backward queues its own callback object: called, it runs
+    the end of the backward; dropped without being called, its finalizer writes this rank's
+    record at once (``StepWatch.announce``: no waiting in a finalizer), and the rank settles
+    with its peers at its next call."""
+
+    __slots__ = ("runtime", "ran")
+
+    def __init__(self, runtime: "RootRuntime") -> None:
+        self.runtime = weakref.ref(runtime)
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        runtime = self.runtime()
+        if runtime is not None:
+            runtime.on_backward_end()
+
+    def __del__(self) -> None:
+        runtime = self.runtime() if not self.ran else None
+        if runtime is not None:
+            try:
+                runtime.backward_dropped()
+            except Exception:  # noqa: BLE001 - a finalizer must not raise; the next call settles it
+                pass
 
 
 def _gather_saved(runtime_ref: "weakref.ref[RootRuntime]", key: int) -> None:

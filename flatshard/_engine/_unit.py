@@ -1,7 +1,7 @@
 """Run-time state of the units: one ``Unit`` per wrapper, one ``RootContext`` per root.
 
 The root (the outermost wrapper) is known structurally: each wrapper adopts the units nested
-in it when it is constructed. At the root's first forward the runtime (``_runtime.lazy_init``)
+in it when it is constructed. At the root's first forward the runtime (``_forward.lazy_init``)
 binds all of them to one shared context -- a ``RootContext`` holding the per-root state, whose
 subclass in ``_runtime`` does the work -- after ``check_same_units`` checked, with one
 collective, that every rank built the same units.
