@@ -95,6 +95,7 @@ from torch import nn
 
 from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference, raise_on_every_rank
 from ._comm._guard import make_guard
+from ._comm._peer_failures import raises_together
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
 
@@ -588,6 +589,7 @@ class RunCheckpoints:
             rank_state=_unpickle(loaded.get(f"rank_state_{rank}")),
         )
 
+    @raises_together
     def _check_keys(self, path: str, loaded: Dict[str, Any]) -> None:
         """Raise, on every rank alike, unless the checkpoint at ``path`` holds exactly the keys of
         ``loaded``'s model and optimizer parts ([Note: reading checkpoints])."""
@@ -625,6 +627,7 @@ class RunCheckpoints:
         hint = " (pass optimizer=None to load the model only)" if owners == ["optimizer"] else ""
         return f"does not match the {' and '.join(owners)} (nothing was loaded): " + "; ".join(clauses) + hint
 
+    @raises_together
     def _check_numpy(self, what: str) -> None:
         """Raise on every rank, before any checkpoint I/O, where some rank lacks NumPy.
 
@@ -651,6 +654,7 @@ class RunCheckpoints:
             f'missing {where}: install it with pip install "flatshard[checkpoint]" (or pip install numpy)'
         )
 
+    @raises_together
     def _agree(self, what: str, items: Sequence[str]) -> None:
         """Every rank passed the same ``items`` (else every rank raises, naming the first that differs)."""
         difference = first_difference(list(items), self._comm, self._device)

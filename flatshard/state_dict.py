@@ -44,6 +44,7 @@ from ._checkpoint._optim_state import OptimStateIndex, template_state
 from ._checkpoint._plain_view import wrapped_by
 from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
 from ._comm._collectives import all_gather_object, broadcast_object, default_group
+from ._comm._peer_failures import raises_together
 from ._engine._unit import unit_of
 from .api import (
     FullOptimStateDictConfig,
@@ -452,6 +453,7 @@ def _parts(index: OptimStateIndex, optims: Sequence[torch.optim.Optimizer], osd:
 _ERRORS = {cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)}
 
 
+@raises_together
 def _raise_together(model: nn.Module, error: Optional[Tuple[str, str]], only_first: bool) -> None:
     """Raise ``error`` (or another rank's) on every rank: rank 0's when only it checked the
     input, else the first failing rank's. One small collective, so no rank waits for a rank

@@ -490,3 +490,33 @@ class CheckpointFailsTest(TestCase):
         for rank in (0, 1):
             self.assertLessEqual(outcomes[rank]["seconds"], BOUND_S)
             self.assertIn(f"PeerFailedError: [rank {rank}] rank 2 raised KeyboardInterrupt('interrupted') in load_pretrained() (call #", outcomes[rank]["error"])
+
+
+def _every_call_closes(rank: int, world_size: int) -> List[Any]:
+    """Operations nested in others (apply's summon) and failed ones leave no call open behind
+    them (a call left open would take every later one for part of it: no checks, no records)."""
+    from flatshard._engine._unit import root_guard
+
+    model, optim = _trained(rank, world_size)
+    guard = root_guard(model._unit)
+    seen = []
+    steps: List[Callable[[], Any]] = [
+        lambda: model.apply(lambda m: None),
+        lambda: ShardedDataParallel.optim_state_dict(model, optim),
+        lambda: model.clip_grad_norm_(1.0),
+        lambda: OPERATIONS["summon_full_params"](model, optim, False),
+        lambda: model.clip_grad_norm_("bad"),  # (raised together)
+    ]
+    for step in steps:
+        try:
+            step()
+        except TypeError:
+            pass
+        seen.append((guard.depth, guard.entry.name))
+    return seen
+
+
+class EveryCallClosesTest(TestCase):
+    def test_no_call_stays_open(self) -> None:
+        for seen in self.pool.run(_every_call_closes, 2, timeout=120):
+            self.assertEqual(seen, [(0, "CLOSED")] * 5)

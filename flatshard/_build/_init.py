@@ -28,6 +28,7 @@ from .._comm._collectives import (
     require_initialized,
 )
 from .._comm._guard import Guard, make_guard
+from .._comm._peer_failures import raises_together
 from .._base._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
 from .._base._errors import ArgumentTypeError
 from ._materialize import has_meta, materialize, retie
@@ -204,6 +205,7 @@ def group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
     return list(groups.values())
 
 
+@raises_together
 def _check_same_on_all_ranks(
     params: List[OrigParam], buffers: _Buffers, comm: Communicator, device: torch.device, prefix: str
 ) -> None:

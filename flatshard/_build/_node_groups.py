@@ -35,6 +35,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .._comm._peer_failures import together
 from .._comm._collectives import (
     Communicator,
     ProcessGroup,
@@ -88,11 +89,11 @@ def node_groups(strategy: ShardingStrategy, device: torch.device, guard: Optiona
     found = _registered(description, layout.groups_of(rank))
     if not comm.agree(fingerprint(f"{layout.describe()} {found is not None}"), where):
         launcher = os.environ.get("LOCAL_WORLD_SIZE")
-        raise ValueError(
+        raise together(ValueError(
             f"[rank {rank}] sharding_strategy=ShardingStrategy.{strategy.name} without process_group: the ranks "
             f"disagree on LOCAL_WORLD_SIZE (this rank: {'not set' if launcher is None else layout.per_node}) or on "
             f"which node groups they made before; every rank must see the same LOCAL_WORLD_SIZE"
-        )
+        ))
     return found if found is not None else _make(description, layout, rank, timeout)
 
 

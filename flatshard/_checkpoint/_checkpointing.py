@@ -26,6 +26,7 @@ from torch import nn
 from .._comm._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, raise_on_every_rank
 from .._base._common import TrainingState, clean_name
 from .._base._errors import WrongStateError
+from .._comm._peer_failures import raises_together
 from ._local_shards import assemble, described_shape, is_sharded_tensor
 from .._engine._runtime import reduce_held, settle
 from .._engine._unit import Unit, root_guard, root_of, unit_of
@@ -145,6 +146,7 @@ def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
             )
 
 
+@raises_together
 def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
     """Raise on every rank unless every rank passed the same ``items`` (a collective that
     only some ranks enter would hang), naming the first difference."""
@@ -159,6 +161,7 @@ def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
 # -- load agreement -----------------------------------------------------------------------
 
 
+@raises_together
 def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[BaseException], what: str) -> None:
     """See [Note: load agreement]. Raises ``error`` (or the first failing rank's) on every rank."""
     entries = _describe_entries(state_dict)

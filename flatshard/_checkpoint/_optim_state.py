@@ -50,6 +50,7 @@ from torch import nn
 
 from ._checkpointing import agree_on_load, as_dtensor, full_value, named_units
 from .._comm._collectives import all_gather_object, broadcast_object, first_difference
+from .._comm._peer_failures import raises_together, together
 from .._base._common import clean_name, join_name
 from ._plain_view import plain_view
 from .._engine._unit import Unit
@@ -282,6 +283,7 @@ def _with_state_of_parameters_not_held(
     return filled
 
 
+@raises_together
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
     gathering it (one collective; see [Note: load agreement] in ``_checkpointing``)."""
@@ -660,8 +662,8 @@ def scatter_optim_state(model: nn.Module, osd: Optional[Mapping[str, Any]], targ
         except Exception as exc:  # noqa: BLE001 - malformed input: every rank raises, none waits
             skeleton = ("error", f"{type(exc).__name__}: {exc}", None, None)
     skeleton = broadcast_object(skeleton, root.comm)
-    if skeleton[0] == "error":
-        raise ValueError(f"[rank {root.rank}] {what}: {skeleton[1]}")
+    if skeleton[0] == "error":  # (rank 0's error, on every rank at once)
+        raise together(ValueError(f"[rank {root.rank}] {what}: {skeleton[1]}"))
     _, new_groups, plans, kept_positions = skeleton
     params = [everything[i] for i in kept_positions]
     state: Dict[int, Dict[str, Any]] = {}

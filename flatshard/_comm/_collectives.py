@@ -56,6 +56,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._peer_failures import raises_together
+
 ProcessGroup = dist.ProcessGroup
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -635,6 +637,7 @@ def all_gather_object(obj: Any, comm: Communicator) -> List[Any]:
     return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
 
 
+@raises_together
 def raise_on_every_rank(comms: Sequence[Communicator], error: Optional[BaseException], others: str, device: torch.device) -> None:
     """Raise on every rank if any rank has an ``error``: a rank its own, the others a
     ``RuntimeError`` saying ``others`` (``{rank}``: the first rank that failed, a global rank).

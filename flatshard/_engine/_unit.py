@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .._comm._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from .._comm._guard import Guard, make_guard
+from .._comm._peer_failures import raises_together
 from .._base._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from .._base._errors import DivergedRanksError
 from .._flat._exec_order import ExecOrder
@@ -326,6 +327,7 @@ def _describe(unit: Unit) -> str:
     return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
 
 
+@raises_together
 def check_same_units(root: Unit) -> None:
     """Raise on every rank unless every rank built the same units with the same options
     under ``root`` (one small collective; hybrid: also across the replicas)."""
