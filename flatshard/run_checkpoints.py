@@ -95,7 +95,7 @@ from torch import nn
 
 from ._comm._collectives import Communicator, ProcessGroup, object_device, all_gather_object, broadcast_object, default_group, first_difference, raise_on_every_rank
 from ._comm._guard import make_guard
-from ._comm._peer_failures import raises_together
+from ._comm._peer_failures import together
 from .api import StateDictType
 from .sharded_data_parallel import ShardedDataParallel
 
@@ -589,7 +589,6 @@ class RunCheckpoints:
             rank_state=_unpickle(loaded.get(f"rank_state_{rank}")),
         )
 
-    @raises_together
     def _check_keys(self, path: str, loaded: Dict[str, Any]) -> None:
         """Raise, on every rank alike, unless the checkpoint at ``path`` holds exactly the keys of
         ``loaded``'s model and optimizer parts ([Note: reading checkpoints])."""
@@ -598,7 +597,7 @@ class RunCheckpoints:
         problems = all_gather_object(self._key_problem(path, loaded), self._comm)
         problem = next((p for p in problems if p), "")
         if problem:
-            raise ValueError(f"RunCheckpoints.resume: {path} {problem}")
+            raise together(ValueError(f"RunCheckpoints.resume: {path} {problem}"))
 
     def _key_problem(self, path: str, loaded: Dict[str, Any]) -> str:
         """How the checkpoint at ``path`` does not match ``loaded`` by its metadata (``""``: it
@@ -627,7 +626,6 @@ class RunCheckpoints:
         hint = " (pass optimizer=None to load the model only)" if owners == ["optimizer"] else ""
         return f"does not match the {' and '.join(owners)} (nothing was loaded): " + "; ".join(clauses) + hint
 
-    @raises_together
     def _check_numpy(self, what: str) -> None:
         """Raise on every rank, before any checkpoint I/O, where some rank lacks NumPy.
 
@@ -649,20 +647,19 @@ class RunCheckpoints:
             where = "on every rank"
         else:
             where = f"on rank {0 if difference.reference == 'missing' else difference.rank}"
-        raise ImportError(
+        raise together(ImportError(
             f"RunCheckpoints.{what}: torch.distributed.checkpoint needs NumPy on more than one rank, and it is "
             f'missing {where}: install it with pip install "flatshard[checkpoint]" (or pip install numpy)'
-        )
+        ))
 
-    @raises_together
     def _agree(self, what: str, items: Sequence[str]) -> None:
         """Every rank passed the same ``items`` (else every rank raises, naming the first that differs)."""
         difference = first_difference(list(items), self._comm, self._device)
         if difference is not None:
-            raise ValueError(
+            raise together(ValueError(
                 f"RunCheckpoints.{what}: ranks disagree: rank {difference.rank} passed {difference.theirs!r} "
                 f"where rank 0 passed {difference.reference!r} (directory and step must be the same on every rank)"
-            )
+            ))
 
 
 def _numpy_works() -> bool:

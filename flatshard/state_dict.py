@@ -44,7 +44,7 @@ from ._checkpoint._optim_state import OptimStateIndex, template_state
 from ._checkpoint._plain_view import wrapped_by
 from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
 from ._comm._collectives import all_gather_object, broadcast_object, default_group
-from ._comm._peer_failures import raises_together
+from ._comm._peer_failures import together
 from ._engine._unit import unit_of
 from .api import (
     FullOptimStateDictConfig,
@@ -453,7 +453,6 @@ def _parts(index: OptimStateIndex, optims: Sequence[torch.optim.Optimizer], osd:
 _ERRORS = {cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)}
 
 
-@raises_together
 def _raise_together(model: nn.Module, error: Optional[Tuple[str, str]], only_first: bool) -> None:
     """Raise ``error`` (or another rank's) on every rank: rank 0's when only it checked the
     input, else the first failing rank's. One small collective, so no rank waits for a rank
@@ -467,7 +466,7 @@ def _raise_together(model: nn.Module, error: Optional[Tuple[str, str]], only_fir
         if reported is not None:
             kind, text = reported
             where = "" if only_first or reported == error else f" (on rank {rank})"
-            raise _ERRORS[kind](f"set_optimizer_state_dict{where}: {text}")
+            raise together(_ERRORS[kind](f"set_optimizer_state_dict{where}: {text}"))
 
 
 def _part_for(index: OptimStateIndex, optim: torch.optim.Optimizer, osd: Mapping[str, Any], strict: bool) -> Dict[str, Any]:

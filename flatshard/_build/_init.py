@@ -28,7 +28,7 @@ from .._comm._collectives import (
     require_initialized,
 )
 from .._comm._guard import Guard, make_guard
-from .._comm._peer_failures import raises_together
+from .._comm._peer_failures import together
 from .._base._common import FLAT_PARAM, coerce_config, coerce_enum, describe_module, display_name, join_name
 from .._base._errors import ArgumentTypeError
 from ._materialize import has_meta, materialize, retie
@@ -205,7 +205,6 @@ def group_params(params: List[OrigParam]) -> List[List[OrigParam]]:
     return list(groups.values())
 
 
-@raises_together
 def _check_same_on_all_ranks(
     params: List[OrigParam], buffers: _Buffers, comm: Communicator, device: torch.device, prefix: str
 ) -> None:
@@ -214,11 +213,11 @@ def _check_same_on_all_ranks(
     layout += [f"{join_name(prefix, name)} {tuple(b.shape)} {b.dtype}" for name, _, _, b in buffers]
     difference = first_difference(layout, comm, device)
     if difference is not None:
-        raise ValueError(
+        raise together(ValueError(
             f"[rank {comm.rank}] sync_module_states: the ranks built different modules to wrap, so rank 0's "
             f"parameters and buffers cannot be broadcast: rank 0 has {difference.reference}, rank {difference.rank} "
             f"has {difference.theirs}"
-        )
+        ))
 
 
 # -- options ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torch import nn
 from .._comm._collectives import Communicator, all_gather_object, differences, fingerprint, first_difference, raise_on_every_rank
 from .._base._common import TrainingState, clean_name
 from .._base._errors import WrongStateError
-from .._comm._peer_failures import raises_together
+from .._comm._peer_failures import together
 from ._local_shards import assemble, described_shape, is_sharded_tensor
 from .._engine._runtime import reduce_held, settle
 from .._engine._unit import Unit, root_guard, root_of, unit_of
@@ -146,22 +146,20 @@ def check_grads_averaged(units: Sequence[Unit], what: str) -> None:
             )
 
 
-@raises_together
 def check_ranks_agree(unit: Unit, items: Sequence[str], what: str) -> None:
     """Raise on every rank unless every rank passed the same ``items`` (a collective that
     only some ranks enter would hang), naming the first difference."""
     difference = first_difference(list(items), unit.comm, unit.device)
     if difference is not None:
-        raise RuntimeError(
+        raise together(RuntimeError(
             f"[rank {unit.rank}] {what} is collective, but the ranks called it differently: rank 0 has "
             f"{difference.reference}, rank {difference.rank} has {difference.theirs}"
-        )
+        ))
 
 
 # -- load agreement -----------------------------------------------------------------------
 
 
-@raises_together
 def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[BaseException], what: str) -> None:
     """See [Note: load agreement]. Raises ``error`` (or the first failing rank's) on every rank."""
     entries = _describe_entries(state_dict)
@@ -169,9 +167,9 @@ def agree_on_load(unit: Unit, state_dict: Mapping[str, Any], error: Optional[Bas
         digest = fingerprint("\n".join(entries) + ("\nfailed" if error is not None else ""))
         if not unit.comm.agree(digest, unit.device):
             reports = all_gather_object((None if error is None else str(error), entries), unit.comm)
-            _raise_disagreement(unit.rank, reports, error, what)
+            raise together(_disagreement(unit.rank, reports, error, what))
     if error is not None:
-        raise error
+        raise together(error)
 
 
 def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
@@ -182,14 +180,16 @@ def _describe_entries(state_dict: Mapping[str, Any]) -> List[str]:
     return out
 
 
-def _raise_disagreement(rank: int, reports: List[Tuple[Optional[str], List[str]]], error: Optional[BaseException], what: str) -> None:
+def _disagreement(rank: int, reports: List[Tuple[Optional[str], List[str]]], error: Optional[BaseException], what: str) -> BaseException:
+    """What every rank raises where the ranks' loads differ: a rank's own error, or the first
+    failing rank's, or the first difference between the state dicts."""
     if error is not None:
-        raise error
+        return error
     failed = [r for r, (message, _) in enumerate(reports) if message is not None]
     if failed:
-        raise RuntimeError(f"[rank {rank}] {what} failed on rank {failed[0]}:\n{reports[failed[0]][0]}")
+        return RuntimeError(f"[rank {rank}] {what} failed on rank {failed[0]}:\n{reports[failed[0]][0]}")
     difference = differences([entries for _, entries in reports], "nothing more")[0]
-    raise ValueError(
+    return ValueError(
         f"[rank {rank}] {what}: the ranks passed different state dicts (every rank must pass the same "
         f"keys, types and shapes): entry #{difference.index} is '{difference.reference}' on rank 0 but "
         f"'{difference.theirs}' on rank {difference.rank}"

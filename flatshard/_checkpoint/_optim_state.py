@@ -50,7 +50,7 @@ from torch import nn
 
 from ._checkpointing import agree_on_load, as_dtensor, full_value, named_units
 from .._comm._collectives import all_gather_object, broadcast_object, first_difference
-from .._comm._peer_failures import raises_together, together
+from .._comm._peer_failures import together
 from .._base._common import clean_name, join_name
 from ._plain_view import plain_view
 from .._engine._unit import Unit
@@ -283,7 +283,6 @@ def _with_state_of_parameters_not_held(
     return filled
 
 
-@raises_together
 def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor], states: Sequence[Optional[Mapping[str, Any]]]) -> None:
     """The ranks must hold state for the same FlatParameters under the same names before
     gathering it (one collective; see [Note: load agreement] in ``_checkpointing``)."""
@@ -295,10 +294,10 @@ def _check_layouts_agree(index: OptimStateIndex, params: Sequence[torch.Tensor],
     root = index.root
     difference = first_difference(mine, root.comm, root.device)
     if difference is not None:
-        raise RuntimeError(
+        raise together(RuntimeError(
             f"[rank {root.rank}] the ranks' optimizers hold different state (every rank must step the same "
             f"parameters): rank 0 has [{difference.reference}], rank {difference.rank} has [{difference.theirs}]"
-        )
+        ))
 
 
 # [Note: initial_lr in param groups] An LR scheduler records each group's base rate as

@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._peer_failures import raises_together
+from ._peer_failures import together
 
 ProcessGroup = dist.ProcessGroup
 
@@ -637,7 +637,6 @@ def all_gather_object(obj: Any, comm: Communicator) -> List[Any]:
     return [_from_bytes(chunk[:size]) for chunk, size in zip(everyone.chunk(comm.world_size), sizes)]
 
 
-@raises_together
 def raise_on_every_rank(comms: Sequence[Communicator], error: Optional[BaseException], others: str, device: torch.device) -> None:
     """Raise on every rank if any rank has an ``error``: a rank its own, the others a
     ``RuntimeError`` saying ``others`` (``{rank}``: the first rank that failed, a global rank).
@@ -657,9 +656,9 @@ def raise_on_every_rank(comms: Sequence[Communicator], error: Optional[BaseExcep
         if int(flags[0]):
             first = _BEYOND_RANKS - int(flags[1])
     if error is not None:
-        raise error
+        raise together(error)
     if first is not None:
-        raise RuntimeError(f"[rank {me}] " + others.format(rank=first))
+        raise together(RuntimeError(f"[rank {me}] " + others.format(rank=first)))
 
 
 _BEYOND_RANKS = 1 << 62  # (more than any rank: the first failing rank has the largest 2**62 - rank)

@@ -45,7 +45,6 @@ learn nothing before the timeout report.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import socket
@@ -54,11 +53,10 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-__all__ = ["PeerFailedError", "RecordState", "StepWatch", "SLICE_S", "make_watch", "mark_raised_together", "raised_together", "raises_together", "together"]
+__all__ = ["PeerFailedError", "RecordState", "StepWatch", "SLICE_S", "make_watch", "mark_raised_together", "raised_together", "together"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
 _E = TypeVar("_E", bound=BaseException)
 
 # How long a wait runs before it looks at the peers' records (and between looks).
@@ -357,22 +355,6 @@ def _stop_other_watches(stuck: StepWatch, why: str) -> None:
             other.stuck = f"{why} (this rank stopped there, in another flatshard object's call)"
 
 
-def raises_together(fn: _F) -> _F:
-    """For a check whose every error is raised on every rank at once, after a collective that
-    decided it (the ranks' agreement checks, ``raise_on_every_rank``): mark what it raises so
-    (``mark_raised_together``), so that no guard takes it for a rank that left its call alone."""
-
-    @functools.wraps(fn)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as error:
-            mark_raised_together(error)
-            raise
-
-    return checked  # type: ignore[return-value]
-
-
 def raised_together(error: BaseException) -> bool:
     """Whether ``error`` was raised on every rank at once (by an entry check or a position
     check, see ``mark_raised_together``): its peers know, and the process group is usable."""
@@ -386,7 +368,12 @@ def mark_raised_together(error: BaseException) -> None:
 
 
 def together(error: _E) -> _E:
-    """``error``, marked as raised on every rank at once (``raise together(ValueError(...))``)."""
+    """``error``, marked as raised on every rank at once (``raise together(ValueError(...))``).
+
+    Only at a ``raise`` that a collective has just decided alike on every rank: never around
+    code that can still fail on one rank alone. (Marking every error out of a check that
+    communicates marked a rank's failure inside the check's own collective as well, and its
+    peers then waited in that collective for the timeout.)"""
     mark_raised_together(error)
     return error
 

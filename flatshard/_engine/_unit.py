@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._comm._collectives import CollectiveEvent, Communicator, ProcessGroup, all_ranks_agree, differences, gather_if_different, mesh_of
 from .._comm._guard import Guard, make_guard
-from .._comm._peer_failures import raises_together
+from .._comm._peer_failures import together
 from .._base._common import TrainingState, copy_fields, display_name, guard_transition, rank_prefix
 from .._base._errors import DivergedRanksError
 from .._flat._exec_order import ExecOrder
@@ -327,17 +327,16 @@ def _describe(unit: Unit) -> str:
     return f"{display_name(unit.name)} ({unit.config.describe()}; {layout})"
 
 
-@raises_together
 def check_same_units(root: Unit) -> None:
     """Raise on every rank unless every rank built the same units with the same options
     under ``root`` (one small collective; hybrid: also across the replicas)."""
     descriptions = [_describe(unit) for unit in root.members()]
     replicas = root.replicate_group
     if replicas is not None and not all_ranks_agree("\n".join(descriptions), root.replicate, root.device):  # type: ignore[arg-type]
-        raise DivergedRanksError(
+        raise together(DivergedRanksError(
             f"[rank {root.rank}] the replicas of a hybrid-sharded model wrapped different models (every rank "
             f"must build the same units with the same parameters, shapes, dtypes and options)"
-        )
+        ))
     per_rank = gather_if_different(descriptions, root.comm, root.device)
     if per_rank is None:
         return
@@ -353,10 +352,10 @@ def check_same_units(root: Unit) -> None:
             "If the ranks ignore different modules, register them where they do not shift the managed "
             "parameters' names (e.g. in a container of their own)"
         )
-    raise DivergedRanksError(
+    raise together(DivergedRanksError(
         f"[rank {root.rank}] the ranks wrapped different models (every rank must build the same "
         f"units with the same parameters, shapes, dtypes and options):\n" + "\n".join(lines) + hint
-    )
+    ))
 
 
 def _unnamed(description: str) -> str:
