@@ -134,16 +134,16 @@ class Guard:
                 stop it, and is cleared when it succeeds.
         """
         opened = self.open(name, exit_check=exit_check, ignore_carried=clears)
+        # (a call inside a call is closed too: ``close`` only takes back its depth, so the
+        # outer call still ends the guard's call)
         try:
             yield self
         except BaseException as error:
-            if opened:
-                self.close(error, name)
+            self.close(error, name)
             raise
-        if opened:
-            self.close(None, name)
-            if clears:
-                self.carried = None
+        self.close(None, name)
+        if opened and clears:
+            self.carried = None
 
     def open(self, name: str, eager: bool = False, exit_check: bool = True, ignore_carried: bool = False) -> bool:
         """Open the call ``name``; ``False`` if a call is open already (this one is part of it).
