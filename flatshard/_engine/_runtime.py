@@ -355,7 +355,12 @@ class RootRuntime(AgreementChecks, RootContext):
         (the forward's collectives stop there); a rank that raises alone tells the others,
         which would wait for it (see [Note: peer failures] in ``_peer_failures``)."""
         where = f"the forward of {_where(step.unit)} of step {self.watch.step if self.watch is not None else 0}"
-        if self.watch is not None and error is not None and self.guard.depth:
+        # (a forward run again inside the backward by activation checkpointing is no call of its
+        # own: torch stops it early by raising, on every rank, and a real error there fails the
+        # backward, which is heard as such at the next call -- a record here would carry the
+        # backward's tag, and a rank that really fails later in that backward would pass for
+        # one that left alike)
+        if self.watch is not None and error is not None and self.guard.depth and not _in_backward():
             self.watch.leave(where, error)  # (the innermost unit names it; the call's own record is the same)
         self.checking = self.every_collective_checked  # (an unsynced generate that raised)
         step.saved.close()
