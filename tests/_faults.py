@@ -33,12 +33,18 @@ def make_error(kind: str) -> BaseException:
 
 
 @contextlib.contextmanager
-def fault_at(collective: Optional[int], kind: str = "error", when: Optional[Dict[str, float]] = None) -> Iterator[Dict[str, Any]]:
+def fault_at(
+    collective: Optional[int],
+    kind: str = "error",
+    when: Optional[Dict[str, float]] = None,
+    on_fire: Optional[Callable[[Dict[str, Any]], None]] = None,
+) -> Iterator[Dict[str, Any]]:
     """Within the block, the ``collective``-th flatshard collective of this rank (from 1) is
     not issued: the fault ``kind`` fires instead (an exception, or ``"kill"``: the process
     exits at once with ``KILLED_EXIT_CODE``). ``None``: no fault. The yielded dict tells
     whether it fired (``"fired"``) and when (``"at"``, ``time.monotonic()``); ``when``, if
-    given, is filled the same way."""
+    given, is filled the same way. ``on_fire(state)`` runs as it fires, before the exception
+    or the exit (a kill leaves nothing else behind: write the time somewhere there)."""
     state: Dict[str, Any] = when if when is not None else {}
     state.update(fired=False, at=None, count=0)
     if collective is None:
@@ -50,6 +56,8 @@ def fault_at(collective: Optional[int], kind: str = "error", when: Optional[Dict
         state["count"] += 1
         if state["count"] == collective and not state["fired"]:
             state["fired"], state["at"] = True, time.monotonic()
+            if on_fire is not None:
+                on_fire(state)
             if kind == "kill":
                 os._exit(KILLED_EXIT_CODE)
             raise make_error(kind)

@@ -28,6 +28,7 @@ import copy
 import functools
 import gc
 import os
+from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -383,23 +384,26 @@ def manual_targets(case: Case, model: nn.Module, built: Dict[int, nn.Module]) ->
     return sorted(chosen, key=lambda t: -t[0].count("."))
 
 
-def process_group(case: Case, rank: int, world_size: int) -> Any:
+def process_group(case: Case, rank: int, world_size: int, timeout: Optional[timedelta] = None) -> Any:
+    """The (shard, replicate) groups of a hybrid strategy (``timeout``: theirs; ``None``:
+    torch's default for new groups), else ``None``."""
     if case.strategy not in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         return None
+    new_group = functools.partial(dist.new_group, timeout=timeout)
     if case.hybrid == "grid" and world_size == 4:
-        shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        replicate = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        shard = [new_group([0, 1]), new_group([2, 3])]
+        replicate = [new_group([0, 2]), new_group([1, 3])]
         return shard[rank // 2], replicate[rank % 2]
-    own = [dist.new_group([r]) for r in range(world_size)]
-    everyone = dist.new_group(list(range(world_size)))
+    own = [new_group([r]) for r in range(world_size)]
+    everyone = new_group(list(range(world_size)))
     return (own[rank], everyone) if case.hybrid == "rep" else (everyone, own[rank])
 
 
 class ShardedRun(Run):
-    def __init__(self, case: Case, rank: int, world_size: int, directory: str, first_step: int = 0) -> None:
+    def __init__(self, case: Case, rank: int, world_size: int, directory: str, first_step: int = 0, group_timeout: Optional[timedelta] = None) -> None:
         super().__init__(case)
         self.rank, self.world_size, self.directory = rank, world_size, directory
-        self.group = process_group(case, rank, world_size)
+        self.group = process_group(case, rank, world_size, group_timeout)
         # The model's use_orig_params mode (a cross_mode checkpoint loads into the other one),
         # the first step it runs, and per model built (step, units, FlatParameter groups).
         self.orig, self.first_step = orig_at(case, first_step), first_step

@@ -520,3 +520,25 @@ class EveryCallClosesTest(TestCase):
     def test_no_call_stays_open(self) -> None:
         for seen in self.pool.run(_every_call_closes, 2, timeout=120):
             self.assertEqual(seen, [(0, "CLOSED")] * 5)
+
+
+def test_a_call_inside_a_call_of_the_same_guard_closes_with_it() -> None:
+    """A call made inside another call of the same guard is part of it, and leaves the guard
+    closed once the outer one ends -- also when it raises (``RunCheckpoints.resume`` calls
+    ``latest``: a guard left open would take every later call for part of that one, with no
+    entry check and no record when it fails)."""
+    from flatshard._comm._guard import EntryState, Guard
+
+    guard = Guard(None, [], torch.device("cpu"), live=False)
+    with guard.call("outer()"):
+        with guard.call("inner()"):
+            pass
+        assert (guard.depth, guard.name) == (1, "outer()")
+    assert (guard.depth, guard.name, guard.entry) == (0, None, EntryState.CLOSED)
+    try:
+        with guard.call("outer()"):
+            with guard.call("inner()"):
+                raise ValueError("inner failed")
+    except ValueError:
+        pass
+    assert (guard.depth, guard.name, guard.entry) == (0, None, EntryState.CLOSED)

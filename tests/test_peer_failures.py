@@ -233,6 +233,19 @@ class PeerFailureTest(TestCase):
         self.assertIn("this rank's last collectives: #", reports[0])
         self.assertIn("of step 2", reports[0])
 
+    def test_a_backward_that_raises_after_a_recomputation_is_heard(self) -> None:
+        # (torch's early stop of a recomputation is no failure: a rank's real one in the same
+        # backward must not pass for the peers' alike)
+        for world_size in (2, 3):
+            with self.subTest(world_size=world_size):
+                outcomes = self.pool.run(_fails_after_a_recomputation, world_size, timeout=150)
+                fault = outcomes[-1]["fault"]
+                for rank, outcome in enumerate(outcomes):
+                    self.assertIsNotNone(outcome["error"], f"rank {rank} trained on")
+                    self.assertLessEqual(outcome["time"] - fault, BOUND_S, f"rank {rank}: {outcome}")
+                    self.assertIn(PeerFailedError.__name__, outcome["error"])
+                    self.assertIn(f"rank {world_size - 1}'s backward of step 2 raised", outcome["error"])
+
     def test_a_rank_that_steps_alone_is_an_error_on_every_rank_at_the_next_forward(self) -> None:
         outcomes = self.pool.run(_steps_alone, 2, timeout=120)
         for rank, outcome in enumerate(outcomes):
@@ -241,6 +254,39 @@ class PeerFailureTest(TestCase):
                 outcome["error"].replace(f"[rank {rank}]", "[rank r]"),
                 """[rank r] the ranks called optimizer.step() on this model a different number of times before this forward (rank 0: 2; rank 1: 3): a rank that steps alone, or skips a step the others take, trains a different model from then on (every rank must step together)""",
             )
+
+
+def _fails_after_a_recomputation(rank: int, world_size: int) -> Dict[str, Any]:
+    """The model checkpoints each block's call (non-reentrant: the blocks' forwards run again in
+    the backward, and torch stops each early by raising inside them). The last rank's backward
+    of step 2 raises at its last collective, after the recomputations; it catches the error and
+    goes on."""
+    from tests._faults import Injected, count_collectives, fault_at
+
+    net = build(n_blocks=2, checkpoint="outer")
+    for i, block in enumerate(net.blocks):
+        net.blocks[i] = ShardedDataParallel(block)
+    model = ShardedDataParallel(net)
+    optim = make_optim(model.parameters())
+    failing = rank == world_size - 1
+    when: Dict[str, Any] = {}
+    try:
+        for step in range(3):
+            tokens, targets = (local(t, rank) for t in batch(step, world_size))
+            loss = lm_loss(model(tokens), targets)
+            if step == 0:
+                last = count_collectives(loss.backward)
+            else:
+                try:
+                    with fault_at(last if failing and step == 1 else None, "error", when):
+                        loss.backward()
+                except Injected:
+                    continue
+            optim.step()
+            optim.zero_grad()
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "time": time.monotonic(), "fault": when.get("at")}
 
 
 class PeerExitTest(TestCase):
