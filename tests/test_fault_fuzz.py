@@ -48,13 +48,7 @@ from tests._fault_fuzz_run import check
 SEEDS = [15, 38, 86, 198, 267, 274, 353, 465, 593, 109, 110]
 # Fixed seeds that fail because of a flatshard bug: seed -> the reason (run as expected failures,
 # strict: one that passes fails, to be moved to the seeds that pass).
-KNOWN_FAILURES = {
-    109: "without a fault: the optimizer-state template step (optim_state_dict under use_orig_params, "
-    "a parameter without state on one rank only) counts as an optimizer step on that rank only; the next "
-    "forward raises DivergedRanksError",
-    110: "a KeyboardInterrupt before an all-gather of summon_full_params leaves the handle GATHERING with no "
-    "gather in flight; the clean-up's reshard() raises AssertionError instead of the KeyboardInterrupt",
-}
+KNOWN_FAILURES: dict = {}  # (109: a template step counted as a step; 110: a gather that could not start -- both fixed)
 LONG = bool(os.environ.get("FLATSHARD_FUZZ_FAULTS") or os.environ.get("FLATSHARD_FUZZ_FAULT_SECONDS"))
 
 

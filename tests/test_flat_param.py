@@ -134,3 +134,37 @@ def _no_shard_layout(rank, world_size):
     h = model.handle
     assert h.state is HandleState.UNSHARDED
     return (h.numel, h.flat_param.numel(), h.state.name, h.full_storage_bytes(), module.vec.device.type)
+
+
+def _a_gather_that_cannot_start(rank, world_size):
+    """Every rank's gather fails to start (the collective call raises ``KeyboardInterrupt``):
+    the handle returns to where it was, and resharding and gathering again work."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    module = Tied()
+    model = ShardedDataParallel(module)
+    handle = model.handle
+    seen = []
+    call = inside_call(model)
+    call.__enter__()
+    for start in (handle.unshard, handle.refresh):  # (from SHARDED, then from UNSHARDED)
+        try:
+            with mock.patch.object(handle, "_gather_padded_into", side_effect=KeyboardInterrupt("injected")):
+                start()
+        except KeyboardInterrupt:
+            seen.append((handle.state.name, handle.full_storage_bytes() > 0))
+        if handle.state is HandleState.SHARDED:
+            handle.unshard()
+    handle.reshard()
+    handle.unshard()
+    seen.append((handle.state.name, torch.equal(dict(handle.named_full_views())["vec"], torch.arange(5.0))))
+    handle.reshard()
+    call.__exit__(None, None, None)
+    return seen
+
+
+class AGatherThatCannotStartTest(TestCase):
+    def test_the_handle_returns_to_its_state(self):
+        for seen in self.pool.run(_a_gather_that_cannot_start, 2):
+            self.assertEqual(seen, [("SHARDED", False), ("UNSHARDED", True), ("UNSHARDED", True)])

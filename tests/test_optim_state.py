@@ -572,3 +572,33 @@ TypeError: optim must be a torch.optim.Optimizer; got str
 ValueError: shard_full_optim_state_dict: expected an optimizer state dict with 'state' and 'param_groups'; got list
 ValueError: rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, optim_state_dict)
 NotImplementedError: optim_state_dict_to_load(is_named_optimizer=True) is not supported""")
+
+
+def _templates_are_no_steps(rank, world_size):
+    """Under ``use_orig_params`` rank 0's shard holds none of ``bias``: after a step only rank 1
+    has state for it, so only rank 0 makes a template for a sharded optimizer state dict. A template
+    is no step: neither the optimizer's hooks nor flatshard's step count see it (the ranks'
+    counts would differ, and the next forward would raise)."""
+    torch.manual_seed(0)
+    model = ShardedDataParallel(torch.nn.Linear(4, 4), use_orig_params=True)  # (weight 16 + bias 4: rank 0 holds weight[:10])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hooked = []
+    optim.register_step_post_hook(lambda *args: hooked.append("post"))
+    losses = []
+    for step in range(3):
+        loss = model(torch.ones(2, 4) * (rank + step)).square().sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss))
+        if step == 0:
+            held = sorted(n for n, p in model.named_parameters() if optim.state.get(p))
+            with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                ShardedDataParallel.optim_state_dict(model, optim)  # (sharded: templates)
+    return held, len(hooked), len(losses)
+
+
+class TemplatesAreNoStepsTest(TestCase):
+    def test_a_template_made_on_one_rank_only_is_no_step(self):
+        held = self.pool.run(_templates_are_no_steps, 2)
+        self.assertEqual(held, [(["weight"], 3, 3), (["bias", "weight"], 3, 3)])

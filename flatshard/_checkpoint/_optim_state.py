@@ -370,9 +370,10 @@ def template_state(optim: torch.optim.Optimizer) -> Iterator[None]:
     of the state dict it is given, so a sharded optimizer state dict must have an entry for
     every parameter a checkpoint may hold state for: also for a fresh optimizer, or for a
     parameter that has not been stepped yet (a frozen or unused unit). Such a parameter gets a
-    template from one step in which only the stateless parameters have (zero) gradients, with
-    a zero learning rate and no weight decay (no parameter changes and the positional state
-    stays at its initial zeros), each step count then taken back by one, to 0. So every sharded
+    template from one step, which no step hook sees, in which only the stateless parameters
+    have (zero) gradients, with a zero learning rate and no weight decay (no parameter changes
+    and the positional state stays at its initial zeros), each step count then taken back by
+    one, to 0. So every sharded
     optimizer state dict has the same entries whatever was stepped (a checkpoint loads into the
     template of a fresh optimizer), and an entry saved from a template says "never stepped":
     loading it (``flatten_optim_state``) leaves the parameter without state, as it was, so
@@ -400,7 +401,7 @@ def _step_templates(optim: torch.optim.Optimizer, params: Sequence[torch.Tensor]
             p.grad = torch.zeros_like(p) if id(p) in wanted else None
         for group in optim.param_groups:
             group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
-        optim.step()
+        _unhooked_step(optim)
     finally:
         for group, values in zip(optim.param_groups, saved):
             group.update(values)
@@ -410,6 +411,21 @@ def _step_templates(optim: torch.optim.Optimizer, params: Sequence[torch.Tensor]
         entry = optim.state.get(p, {})
         for key in _STEP_NAMES & set(entry):
             entry[key] = entry[key] - 1
+
+
+def _unhooked_step(optim: torch.optim.Optimizer) -> None:
+    """``optim.step()`` without the step hooks: a template is no step. The hooks would take it
+    for one -- flatshard's own count of the model's steps (templates are made on the ranks
+    whose parameters lack state, which need not be every rank: the next forward would find
+    the ranks' counts differ), and the user's (an EMA update after each step, a counter).
+    torch runs the hooks in a wrapper it puts around the class's ``step``
+    (``Optimizer.profile_hook_step``, marked ``hooked``); this calls what it wraps."""
+    step = type(optim).step
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        optim.step()
+    else:
+        inner(optim)
 
 
 def _never_stepped(names: Sequence[str], state: Mapping[str, Any]) -> bool:

@@ -378,18 +378,29 @@ class FlatParamHandle(HandleGrads):
         self.take_user_writes()
         self._move((HandleState.SHARDED,), HandleState.GATHERING, "unshard")
         alloc_storage(self._full_data, self.padded_numel)
-        self._start_gather(async_op)
+        self._start_gather(async_op, HandleState.SHARDED)
 
-    def _start_gather(self, async_op: bool) -> None:
-        """Fill the (allocated) full flat tensor from the shards (state GATHERING)."""
-        shard = self.flat_param.detach()
-        self._gathered_from = shard.data_ptr()
-        if self.offload:
-            shard = shard.to(self.device, non_blocking=True)
-        if shard.dtype != self.compute_dtype:
-            shard = shard.to(self.compute_dtype)
-        # (not sharded: a cast copy, mixed precision without sharding)
-        self._gather = self._gather_padded_into(self._full_data, shard, async_op=True)
+    def _start_gather(self, async_op: bool, before: HandleState) -> None:
+        """Fill the (allocated) full flat tensor from the shards (state GATHERING).
+
+        A gather that could not start (an error or ``KeyboardInterrupt`` in the copy or the
+        collective call) returns the handle to ``before`` -- freed again if it was SHARDED --
+        so the clean-up that follows finds a state it can leave, not GATHERING with nothing
+        in flight."""
+        try:
+            shard = self.flat_param.detach()
+            self._gathered_from = shard.data_ptr()
+            if self.offload:
+                shard = shard.to(self.device, non_blocking=True)
+            if shard.dtype != self.compute_dtype:
+                shard = shard.to(self.compute_dtype)
+            # (not sharded: a cast copy, mixed precision without sharding)
+            self._gather = self._gather_padded_into(self._full_data, shard, async_op=True)
+        except BaseException:
+            self._move((HandleState.GATHERING,), before, "unshard (failed)")
+            if before is HandleState.SHARDED:
+                free_storage(self._full_data)
+            raise
         if not async_op:
             self.wait()
 
@@ -411,7 +422,7 @@ class FlatParamHandle(HandleGrads):
         self.finish_gather()
         self.take_user_writes()
         self._move((HandleState.UNSHARDED,), HandleState.GATHERING, "refresh")
-        self._start_gather(async_op)
+        self._start_gather(async_op, HandleState.UNSHARDED)
         return True
 
     def wait(self) -> None:
