@@ -29,3 +29,12 @@ def test_ci_uses_a_fresh_environment_without_system_packages():
     script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(r"^python3 -m venv ", script, re.M)
     assert "--system-site-packages" not in script
+
+
+def test_the_changelog_has_each_kind_of_change_once_per_release():
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    for release in re.split(r"^## ", text, flags=re.M)[1:]:
+        kinds = re.findall(r"^### (\w+)$", release, re.M)
+        assert len(kinds) == len(set(kinds)), (release.splitlines()[0], kinds)
+        order = ["Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"]
+        assert kinds == sorted(kinds, key=order.index), (release.splitlines()[0], kinds)
