@@ -8,8 +8,8 @@ Three pool tasks per case, each in a fresh process group:
 2. the schedule with the fault (``rank_faulted``) in a fresh checkpoint directory: the faulty
    rank's chosen collective of the faulted operation raises or kills the process instead. A rank
    stops at its first error, as a training script whose exception ends it would, and writes what
-   it raised and when to a file at once (a rank the pool has to kill still tells); then it tries
-   then, as the case says (``after``), it stops ("stop": the error ended the script; the
+   it raised and when to a file at once (a rank the pool has to kill still tells). Then, as the
+   case says (``after``), it stops ("stop": the error ended the script; the
    faulty rank's process ends at once, ``ENDED_EXIT_CODE``), or tries one more training step
    (the probe, "go_on": a loop that catches the error) and records how that went (the faulty
    rank's process then ends if its probe raised: the process group may hold a collective that
@@ -21,8 +21,9 @@ Three pool tasks per case, each in a fresh process group:
 ``KILLED_EXIT_CODE``); every other rank raised an error that names the failure (a
 ``PeerFailedError``, ``CallFailedError`` or ``DivergedRanksError``, or one naming the faulty
 rank) within ``BOUND_S`` of the fault, never before it; no process died but the killed one
-(and the faulty rank that ended itself); the probes all trained on or all raised, within ``BOUND_S`` -- all trained on where every other
-rank raised ``CallFailedError`` (the group is still usable); the resume loaded the last
+(and the faulty rank that ended itself); the probes all trained on or all raised, within
+``BOUND_S`` -- all trained on where every other rank raised ``CallFailedError`` (the group is
+still usable); the resume loaded the last
 checkpoint that a save completed before the fault (or the faulted save's, where the fault came
 after it was published), bit-identical (``torch.equal``) on every rank to the state of the run
 without the fault right after that save; and without a fault that fires, the run completed.

@@ -602,3 +602,37 @@ class TemplatesAreNoStepsTest(TestCase):
     def test_a_template_made_on_one_rank_only_is_no_step(self):
         held = self.pool.run(_templates_are_no_steps, 2)
         self.assertEqual(held, [(["weight"], 3, 3), (["bias", "weight"], 3, 3)])
+
+
+def _never_stepped_entries_load(rank, world_size):
+    """A sharded optimizer state dict of a fresh optimizer (every entry a template) loaded after
+    one step, under ``use_orig_params``: rank 0 holds no element of ``bias`` and so no state for
+    it, rank 1 does. Every rank must load alike (the entries are gathered: a collective), and the
+    next step is a fresh optimizer's, as in single-process training."""
+    x = torch.arange(8.0).reshape(2, 4) / 8
+
+    def step(model, optim):
+        model(x).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 4)
+    torch.manual_seed(0)
+    model = ShardedDataParallel(torch.nn.Linear(4, 4), use_orig_params=True)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with ShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        fresh = ShardedDataParallel.optim_state_dict(model, optim)
+        step(model, optim)
+        optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(model, optim, fresh))
+    step(model, optim)
+    for _ in range(2):  # (the reference: a fresh optimizer for the second step)
+        step(plain, torch.optim.Adam(plain.parameters(), lr=1e-2))
+    with ShardedDataParallel.summon_full_params(model):
+        return {n: bool(torch.allclose(p, dict(plain.named_parameters())[n], **TOL)) for n, p in model.module.named_parameters()}
+
+
+class NeverSteppedEntriesTest(TestCase):
+    def test_they_load_alike_on_ranks_that_hold_state_and_ranks_that_do_not(self):
+        for result in self.pool.run(_never_stepped_entries_load, 2):
+            self.assertEqual(result, {"weight": True, "bias": True})

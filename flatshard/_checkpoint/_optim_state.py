@@ -611,6 +611,29 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     return groups, new_groups, plans
 
 
+def _planned_where_any_rank_plans(index: OptimStateIndex, osd: Mapping[str, Any], groups: Sequence[Sequence[torch.Tensor]], plans: List[Any]) -> List[Any]:
+    """``plans``, with an entry planned on every rank where any rank planned one.
+
+    [Note: skipped entries agree] A saved entry that was never stepped (a template) is
+    skipped where the optimizer holds no state for the parameter, and loaded where it does
+    (an optimizer that makes state when it is built, Adagrad). Whether it holds state differs
+    between ranks under ``use_orig_params``: a parameter none of whose elements are in a rank's
+    shard gets no gradient, and so no state, on that rank only. Loading an entry of ``DTensor``
+    values gathers them (a collective), so the ranks agree first -- one all-reduce (max) of a
+    flag per parameter -- and load it everywhere if any rank loads it (a template loaded in
+    place of no state is the same first step: see [Note: optimizer state templates])."""
+    root = index.root
+    if root.world_size == 1:
+        return plans
+    params = [p for g in groups for p in g]
+    wanted = torch.tensor([plan is not None for plan in plans], dtype=torch.int32, device=root.device)
+    root.comm.all_reduce(wanted, op="max")
+    return [
+        plan if plan is not None or not want else _entry_plan(index.names_of(p), index.shapes, osd["state"], _owner(index, p))
+        for p, plan, want in zip(params, plans, wanted.tolist())
+    ]
+
+
 def _owner(index: OptimStateIndex, param: torch.Tensor) -> str:
     if id(param) in index.flat:
         unit = index.flat[id(param)][2]
@@ -626,6 +649,7 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
     index = OptimStateIndex(model)
     error: Optional[BaseException] = None
     groups: List[List[torch.Tensor]] = []
+    plans: List[Any] = []
     try:
         _check_state_dict(osd, what)
         groups, new_groups, plans = _plans(index, target, osd)
@@ -633,6 +657,7 @@ def flatten_optim_state(model: nn.Module, osd: Mapping[str, Any], target: LoadTa
         error = exc
     if collective:
         agree_on_load(index.root, _describe(osd) if error is None else {}, error, what)
+        plans = _planned_where_any_rank_plans(index, osd, groups, plans)
     elif error is not None:
         raise error
     state: Dict[int, Dict[str, Any]] = {}
