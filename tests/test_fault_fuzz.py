@@ -20,7 +20,7 @@ the run completes.
 The suite runs ``SEEDS`` (chosen to cover every fault kind, every kind of faulted operation,
 world sizes 2-4, both ``use_orig_params`` modes, both ``after`` modes, a fault that does not fire
 and one after a save; ``test_fixed_fault_seeds_cover_everything`` checks this without ranks; about
-70 s on 2 cores) and seeds whose cases found flatshard bugs (109, 110, and 100050 of the long mode),
+75 s on 2 cores) and seeds whose cases found flatshard bugs (109, 110, and 100050 and 100137 of the long mode),
 and as expected failures the seeds of ``KNOWN_FAILURES``, which fail because of flatshard bugs
 found by this fuzzer and not fixed yet (none now).
 
@@ -47,7 +47,7 @@ import pytest
 from tests._fault_fuzz import coverage, everything, generate, one_line
 from tests._fault_fuzz_run import check
 
-SEEDS = [15, 38, 86, 198, 267, 274, 353, 465, 593, 109, 110, 100050]
+SEEDS = [15, 38, 86, 198, 267, 274, 353, 465, 593, 109, 110, 100050, 100137]
 # Fixed seeds that fail because of a flatshard bug: seed -> the reason (run as expected failures,
 # strict: one that passes fails, to be moved to the seeds that pass).
 KNOWN_FAILURES: Dict[int, str] = {}

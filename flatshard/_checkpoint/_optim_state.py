@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -115,6 +116,21 @@ class OptimStateIndex:
         return sorted(names, key=lambda n: self.order.get(n, len(self.order)))
 
 
+def _makes_state_when_built(optim: torch.optim.Optimizer) -> bool:
+    """Whether ``optim``'s class makes state for its parameters when it is built (Adagrad), by
+    building one over a single parameter with those of ``optim``'s defaults its constructor
+    takes; ``True`` where that fails (a class that needs more arguments), so state is kept."""
+    cls = type(optim)
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        options = {k: v for k, v in optim.defaults.items() if takes_any or k in accepted}
+        probe = cls([torch.zeros(1, requires_grad=True)], **options)
+    except Exception:  # noqa: BLE001 - any failure: assume it does (the cautious side)
+        return True
+    return bool(probe.state)
+
+
 def optimizer_groups(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> List[List[torch.Tensor]]:
     """The optimizer's parameters, by group: from ``optim``, else ``optim_input`` (parameters
     or param-group dicts), else ``model.parameters()`` (see ``LoadTarget.from_model``)."""
@@ -144,10 +160,16 @@ class LoadTarget:
         # The param groups whose base rates loaded groups without ``initial_lr`` get
         # (``optim_state_dict_to_load``: see [Note: initial_lr in param groups]); else none.
         self.base_groups: List[Dict[str, Any]] = optim.param_groups if base_rates and optim is not None else []
+        self.builds_state = optim is not None and _makes_state_when_built(optim)
 
-    def has_state(self, param: torch.Tensor) -> bool:
-        """Whether the optimizer keeps state for ``param`` already (some create it when built)."""
-        return self.optim is not None and bool(self.optim.state.get(param))
+    def loads_unstepped(self, param: torch.Tensor) -> bool:
+        """Whether a never-stepped entry (a template, see [Note: optimizer state templates]) is
+        loaded for ``param`` rather than leaving it without state, as it was when saved: where
+        the optimizer makes state when it is built (Adagrad) and holds some for ``param``. An
+        optimizer that makes state at its first step (Adam) gets none, also where it has
+        stepped since the save, as torch's ``load_state_dict`` of a fresh optimizer's state
+        dict leaves it."""
+        return self.builds_state and self.optim is not None and bool(self.optim.state.get(param))
 
     def groups_for(self, index: "OptimStateIndex", osd: Mapping[str, Any]) -> List[List[torch.Tensor]]:
         if not self.from_model:
@@ -606,7 +628,7 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     plans = []
     for param in (p for g in groups for p in g):
         names = index.names_of(param)
-        fresh = _never_stepped(names, osd["state"]) and not target.has_state(param)
+        fresh = _never_stepped(names, osd["state"]) and not target.loads_unstepped(param)
         plans.append(None if fresh else _entry_plan(names, index.shapes, osd["state"], _owner(index, param)))
     return groups, new_groups, plans
 
