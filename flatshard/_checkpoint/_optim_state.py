@@ -395,10 +395,10 @@ def template_state(optim: torch.optim.Optimizer) -> Iterator[None]:
     template from one step, which no step hook sees, in which only the stateless parameters
     have (zero) gradients, with a zero learning rate and no weight decay (no parameter changes
     and the positional state stays at its initial zeros), each step count then taken back by
-    one, to 0. So every sharded
-    optimizer state dict has the same entries whatever was stepped (a checkpoint loads into the
-    template of a fresh optimizer), and an entry saved from a template says "never stepped":
-    loading it (``flatten_optim_state``) leaves the parameter without state, as it was, so
+    one, to 0. So every sharded optimizer state dict has the same entries whatever was stepped
+    (a checkpoint loads into the template of a fresh optimizer), and an entry saved from a
+    template says "never stepped": loading it (``flatten_optim_state``, see
+    ``LoadTarget.loads_unstepped``) leaves the parameter without state, as it was, so
     resuming equals not having stopped. (Optimizers without a step count, SGD, keep a zero
     momentum buffer instead, which SGD's first step treats as no buffer when ``dampening`` is
     0, its default.)
@@ -636,14 +636,15 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
 def _planned_where_any_rank_plans(index: OptimStateIndex, osd: Mapping[str, Any], groups: Sequence[Sequence[torch.Tensor]], plans: List[Any]) -> List[Any]:
     """``plans``, with an entry planned on every rank where any rank planned one.
 
-    [Note: skipped entries agree] A saved entry that was never stepped (a template) is
-    skipped where the optimizer holds no state for the parameter, and loaded where it does
-    (an optimizer that makes state when it is built, Adagrad). Whether it holds state differs
-    between ranks under ``use_orig_params``: a parameter none of whose elements are in a rank's
-    shard gets no gradient, and so no state, on that rank only. Loading an entry of ``DTensor``
-    values gathers them (a collective), so the ranks agree first -- one all-reduce (max) of a
-    flag per parameter -- and load it everywhere if any rank loads it (a template loaded in
-    place of no state is the same first step: see [Note: optimizer state templates])."""
+    [Note: skipped entries agree] A saved entry that was never stepped (a template) is loaded
+    only where ``LoadTarget.loads_unstepped`` says so, which reads the optimizer's state for
+    the parameter, and that can differ between ranks: under ``use_orig_params`` a parameter
+    none of whose elements are in a rank's shard gets no gradient, and so no state, on that
+    rank only (it matters for an optimizer that makes state when built, or whose class could
+    not be probed). Loading an entry of ``DTensor`` values gathers them (a collective), so the
+    ranks agree first -- one all-reduce (max) of a flag per parameter -- and load it everywhere
+    if any rank loads it (a template in place of no state is the same first step: see
+    [Note: optimizer state templates])."""
     root = index.root
     if root.world_size == 1:
         return plans

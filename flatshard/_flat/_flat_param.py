@@ -397,7 +397,7 @@ class FlatParamHandle(HandleGrads):
             # (not sharded: a cast copy, mixed precision without sharding)
             self._gather = self._gather_padded_into(self._full_data, shard, async_op=True)
         except BaseException:
-            self._move((HandleState.GATHERING,), before, "unshard (failed)")
+            self._move((HandleState.GATHERING,), before, "unshard" if before is HandleState.SHARDED else "refresh")
             if before is HandleState.SHARDED:
                 free_storage(self._full_data)
             raise
