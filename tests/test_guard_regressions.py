@@ -172,14 +172,20 @@ class ForwardFailureTest(TestCase):
 # -- several objects over the same ranks -----------------------------------------------------
 
 
+def _two_models_stepped(rank: int, world_size: int) -> Tuple[Any, Any, Any, List[Any]]:
+    """Two models over the same ranks, one step each; a batch; their optimizers (kept alive)."""
+    group = _group(world_size)
+    a, b = _model(group), _model(group)
+    optims = [make_optim(a.parameters()), make_optim(b.parameters())]
+    _step(a, optims[0], rank, world_size, 0)
+    _step(b, optims[1], rank, world_size, 0)
+    tokens, _ = (local(t, rank) for t in batch(1, world_size))
+    return a, b, tokens, optims
+
+
 def _other_object_after_a_failure(rank: int, world_size: int) -> Dict[str, Any]:
     with mock.patch.dict(os.environ, {ENV_SWITCH: "0"}):  # (as at world size 3 and more, or across hosts)
-        group = _group(world_size)
-        a, b = _model(group), _model(group)
-        optim_a, optim_b = make_optim(a.parameters()), make_optim(b.parameters())
-        _step(a, optim_a, rank, world_size, 0)
-        _step(b, optim_b, rank, world_size, 0)
-        tokens, _ = (local(t, rank) for t in batch(1, world_size))
+        a, b, tokens, _ = _two_models_stepped(rank, world_size)
         failing = rank == world_size - 1
         with fault_at(4 if failing else None):
             first = _outcome(lambda: b(tokens))
@@ -190,12 +196,7 @@ def _other_object_after_a_failure(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def _alike_then_one_rank_in_another_object(rank: int, world_size: int) -> Dict[str, Any]:
-    group = _group(world_size)
-    a, b = _model(group), _model(group)
-    optim_a, optim_b = make_optim(a.parameters()), make_optim(b.parameters())
-    _step(a, optim_a, rank, world_size, 0)
-    _step(b, optim_b, rank, world_size, 0)
-    tokens, _ = (local(t, rank) for t in batch(1, world_size))
+    a, b, tokens, _ = _two_models_stepped(rank, world_size)
     alike = _outcome(lambda: a(torch.full((2, 5), 10**6)))  # every rank, caught: the batch skipped
     failing = rank == world_size - 1
     with fault_at(4 if failing else None):
