@@ -40,7 +40,8 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ._base._common import clean_name
 from ._checkpoint._checkpointing import guarded_call, model_root, named_units
 from ._checkpoint._optim_dicts import optim_state_for, optim_state_to_load
-from ._checkpoint._optim_state import OptimStateIndex, template_state
+from ._checkpoint._optim_state import OptimStateIndex
+from ._checkpoint._optim_templates import template_state
 from ._checkpoint._plain_view import wrapped_by
 from ._checkpoint._state_dict import load_model_state, model_state, state_dict_type
 from ._comm._collectives import all_gather_object, broadcast_object, default_group

@@ -22,7 +22,8 @@ from .._base._common import coerce_enum
 from .._comm._collectives import ProcessGroup
 from ..api import OptimStateKeyType, StateDictSettings, StateDictType
 from ._checkpointing import model_root, named_units
-from ._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state, template_state
+from ._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state
+from ._optim_templates import template_state
 
 __all__ = [
     "check_group",

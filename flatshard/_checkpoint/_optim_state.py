@@ -41,10 +41,8 @@ and step counts may differ.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -53,6 +51,7 @@ from ._checkpointing import agree_on_load, as_dtensor, full_value, named_units
 from .._comm._collectives import all_gather_object, broadcast_object, first_difference
 from .._comm._peer_failures import together
 from .._base._common import clean_name, join_name
+from ._optim_templates import STEP_NAMES, makes_state_when_built, never_stepped, template_state
 from ._plain_view import plain_view
 from .._engine._unit import Unit
 from ..api import OptimStateKeyType
@@ -60,7 +59,6 @@ from .._flat._flat_param import FlatParameter, FlatParamHandle
 
 __all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "template_state"]
 
-_STEP_NAMES = frozenset({"step"})
 _SCALAR_NAMES = frozenset({"step", "mu_product", "eta", "mu"})  # torch optimizers' per-parameter scalars
 
 
@@ -116,21 +114,6 @@ class OptimStateIndex:
         return sorted(names, key=lambda n: self.order.get(n, len(self.order)))
 
 
-def _makes_state_when_built(optim: torch.optim.Optimizer) -> bool:
-    """Whether ``optim``'s class makes state for its parameters when it is built (Adagrad), by
-    building one over a single parameter with those of ``optim``'s defaults its constructor
-    takes; ``True`` where that fails (a class that needs more arguments), so state is kept."""
-    cls = type(optim)
-    try:
-        accepted = inspect.signature(cls.__init__).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        options = {k: v for k, v in optim.defaults.items() if takes_any or k in accepted}
-        probe = cls([torch.zeros(1, requires_grad=True)], **options)
-    except Exception:  # noqa: BLE001 - any failure: assume it does (the cautious side)
-        return True
-    return bool(probe.state)
-
-
 def optimizer_groups(model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any) -> List[List[torch.Tensor]]:
     """The optimizer's parameters, by group: from ``optim``, else ``optim_input`` (parameters
     or param-group dicts), else ``model.parameters()`` (see ``LoadTarget.from_model``)."""
@@ -160,7 +143,7 @@ class LoadTarget:
         # The param groups whose base rates loaded groups without ``initial_lr`` get
         # (``optim_state_dict_to_load``: see [Note: initial_lr in param groups]); else none.
         self.base_groups: List[Dict[str, Any]] = optim.param_groups if base_rates and optim is not None else []
-        self.builds_state = optim is not None and _makes_state_when_built(optim)
+        self.builds_state = optim is not None and makes_state_when_built(optim)
 
     def loads_unstepped(self, param: torch.Tensor) -> bool:
         """Whether a never-stepped entry (a template, see [Note: optimizer state templates]) is
@@ -185,7 +168,7 @@ def _kind(key: str, value: Any, shape: Tuple[int, ...]) -> str:
     """``positional`` (shaped like the parameter), ``scalar`` (shared by all its elements)."""
     if not isinstance(value, torch.Tensor):
         return "scalar"
-    if value.dim() == 0 and (len(shape) > 0 or key in _STEP_NAMES):
+    if value.dim() == 0 and (len(shape) > 0 or key in STEP_NAMES):
         return "scalar"
     return "positional"
 
@@ -383,80 +366,6 @@ def gather_optim_state(
     return {"state": {name: state[name] for name in ordered}, "param_groups": groups}
 
 
-@contextlib.contextmanager
-def template_state(optim: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside, every parameter of ``optim`` without state has a template of it (see
-    [Note: optimizer state templates]); the templates are removed on exit.
-
-    [Note: optimizer state templates] ``torch.distributed.checkpoint`` loads into the tensors
-    of the state dict it is given, so a sharded optimizer state dict must have an entry for
-    every parameter a checkpoint may hold state for: also for a fresh optimizer, or for a
-    parameter that has not been stepped yet (a frozen or unused unit). Such a parameter gets a
-    template from one step, which no step hook sees, in which only the stateless parameters
-    have (zero) gradients, with a zero learning rate and no weight decay (no parameter changes
-    and the positional state stays at its initial zeros), each step count then taken back by
-    one, to 0. So every sharded optimizer state dict has the same entries whatever was stepped
-    (a checkpoint loads into the template of a fresh optimizer), and an entry saved from a
-    template says "never stepped": loading it (``flatten_optim_state``, see
-    ``LoadTarget.loads_unstepped``) leaves the parameter without state, as it was, so
-    resuming equals not having stopped. (Optimizers without a step count, SGD, keep a zero
-    momentum buffer instead, which SGD's first step treats as no buffer when ``dampening`` is
-    0, its default.)
-    """
-    params = [p for group in optim.param_groups for p in group["params"]]
-    stateless = [p for p in params if not optim.state.get(p)]
-    if stateless:
-        _step_templates(optim, params, stateless)
-    try:
-        yield
-    finally:
-        for p in stateless:
-            optim.state.pop(p, None)
-
-
-def _step_templates(optim: torch.optim.Optimizer, params: Sequence[torch.Tensor], stateless: Sequence[torch.Tensor]) -> None:
-    grads = [p.grad for p in params]
-    saved = [{k: group[k] for k in ("lr", "weight_decay") if k in group} for group in optim.param_groups]
-    wanted = {id(p) for p in stateless}
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p) if id(p) in wanted else None
-        for group in optim.param_groups:
-            group.update({k: 0.0 for k in ("lr", "weight_decay") if k in group})
-        _unhooked_step(optim)
-    finally:
-        for group, values in zip(optim.param_groups, saved):
-            group.update(values)
-        for p, grad in zip(params, grads):
-            p.grad = grad
-    for p in stateless:
-        entry = optim.state.get(p, {})
-        for key in _STEP_NAMES & set(entry):
-            entry[key] = entry[key] - 1
-
-
-def _unhooked_step(optim: torch.optim.Optimizer) -> None:
-    """``optim.step()`` without the step hooks: a template is no step. The hooks would take it
-    for one -- flatshard's own count of the model's steps (templates are made on the ranks
-    whose parameters lack state, which need not be every rank: the next forward would find
-    the ranks' counts differ), and the user's (an EMA update after each step, a counter).
-    torch runs the hooks in a wrapper it puts around the class's ``step``
-    (``Optimizer.profile_hook_step``, marked ``hooked``); this calls what it wraps."""
-    step = type(optim).step
-    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
-    if inner is None:
-        optim.step()
-    else:
-        inner(optim)
-
-
-def _never_stepped(names: Sequence[str], state: Mapping[str, Any]) -> bool:
-    """Whether the saved state of ``names`` is a template (see [Note: optimizer state
-    templates]): step counts of 0."""
-    steps = [entry[key] for entry in (state.get(n) for n in names) if entry for key in _STEP_NAMES & set(entry)]
-    return bool(steps) and all(float(step) == 0 for step in steps)
-
-
 # -- flattening (per original parameter -> optimizer) --------------------------------------
 
 
@@ -500,7 +409,7 @@ def _entry_plan(
             )
     # Never-stepped entries count as no state for the scalar state (see [Note: optimizer
     # state per original parameter]), unless no parameter was stepped.
-    stepped = [n for n in present if not _never_stepped((n,), state)] or present
+    stepped = [n for n in present if not never_stepped((n,), state)] or present
     # A parameter with dimensions tells per-element from scalar state (a 0-dim parameter's
     # per-element state is 0-dim too); if there is none, scalar state is known by name.
     shaped = next((n for n in present if len(shapes[n]) > 0), None)
@@ -628,7 +537,7 @@ def _plans(index: OptimStateIndex, target: LoadTarget, osd: Mapping[str, Any]) -
     plans = []
     for param in (p for g in groups for p in g):
         names = index.names_of(param)
-        fresh = _never_stepped(names, osd["state"]) and not target.loads_unstepped(param)
+        fresh = never_stepped(names, osd["state"]) and not target.loads_unstepped(param)
         plans.append(None if fresh else _entry_plan(names, index.shapes, osd["state"], _owner(index, param)))
     return groups, new_groups, plans
 
