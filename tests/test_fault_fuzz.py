@@ -20,9 +20,10 @@ the run completes.
 The suite runs ``SEEDS`` (chosen to cover every fault kind, every kind of faulted operation,
 world sizes 2-4, both ``use_orig_params`` modes, both ``after`` modes, a fault that does not fire
 and one after a save; ``test_fixed_fault_seeds_cover_everything`` checks this without ranks; about
-75 s on 2 cores) and seeds whose cases found flatshard bugs (109, 110, and 100050 and 100137 of the long mode),
-and as expected failures the seeds of ``KNOWN_FAILURES``, which fail because of flatshard bugs
-found by this fuzzer and not fixed yet (none now).
+50 s on 2 cores), with ``FLATSHARD_FUZZ_FAULT_FOUND=1`` also the seeds of ``FOUND``, whose cases
+found flatshard bugs (each also has a test of its own), and as expected failures the seeds of
+``KNOWN_FAILURES``, which fail because of flatshard bugs found by this fuzzer and not fixed yet
+(none now).
 
 Environment variables (the differential fuzzer's ``FLATSHARD_FUZZ_*`` family):
 
@@ -47,7 +48,15 @@ import pytest
 from tests._fault_fuzz import coverage, everything, generate, one_line
 from tests._fault_fuzz_run import check
 
-SEEDS = [15, 38, 86, 198, 267, 274, 353, 465, 593, 109, 110, 100050, 100137]
+SEEDS = [15, 38, 86, 198, 267, 274, 353, 465, 593]
+# Seeds whose cases found flatshard bugs, now fixed, each also held by a test of its own; run
+# with the fixed seeds where FLATSHARD_FUZZ_FAULT_FOUND=1 (kept out of the suite for its time).
+FOUND = {
+    109: "tests/test_optim_state.py::TemplatesAreNoStepsTest",
+    110: "tests/test_flat_param.py::AGatherThatCannotStartTest",
+    100050: "tests/test_optim_state.py::NeverSteppedEntriesTest",
+    100137: "tests/test_optim_state.py::NeverSteppedEntriesTest",
+}
 # Fixed seeds that fail because of a flatshard bug: seed -> the reason (run as expected failures,
 # strict: one that passes fails, to be moved to the seeds that pass).
 KNOWN_FAILURES: Dict[int, str] = {}
@@ -57,7 +66,8 @@ LONG = bool(os.environ.get("FLATSHARD_FUZZ_FAULTS") or os.environ.get("FLATSHARD
 def _fixed_seeds():
     if os.environ.get("FLATSHARD_FUZZ_FAULT_SEED"):
         return [int(os.environ["FLATSHARD_FUZZ_FAULT_SEED"])]
-    return [pytest.param(s, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[s], strict=True)) if s in KNOWN_FAILURES else s for s in SEEDS]
+    seeds = SEEDS + (list(FOUND) if os.environ.get("FLATSHARD_FUZZ_FAULT_FOUND") else [])
+    return [pytest.param(s, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[s], strict=True)) if s in KNOWN_FAILURES else s for s in seeds]
 
 
 @pytest.mark.skipif(LONG, reason="long mode runs test_fault_fuzz_long only")
