@@ -322,6 +322,39 @@ class ShardedDataParallel(nn.Module):
         with no_sync([self._unit] + [unit for _, unit in self._unit.descendants]):
             yield
 
+    def set_communication_overlap(self, enabled: bool) -> None:
+        """Choose between speed and FSDP1's lowest peak memory (see docs/performance.md).
+
+        ``True`` (the default): every all-gather and gradient reduction is issued before the
+        computation it hides behind and waited for after it: each unit's forward gathers the
+        next unit's parameters by the recorded order (as if ``forward_prefetch=True``; FSDP1
+        gets that from its streams), and a unit's gradient reduction completes after the next
+        unit's gradient computation, keeping that unit's full gradient meanwhile (on a GPU
+        FSDP1 and FSDP2 keep one in flight too). ``False``: nothing is gathered ahead unless
+        ``forward_prefetch``/``backward_prefetch`` ask for it, and each reduction completes
+        before the backward allocates again: the peak per rank of FSDP1 on torch's fake
+        process group, with the communication exposed.
+
+        Args:
+            enabled: whether communication overlaps compute. Call on the root, outside
+                forward and backward; it holds for every unit of the root.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_communication_overlap(enabled) takes a bool; got {type(enabled).__name__} {enabled!r}")
+        unit = self._unit
+        if not unit.is_root:
+            raise RuntimeError(
+                f"set_communication_overlap() must be called on the root ShardedDataParallel, not on the nested "
+                f"unit {display_name(unit.name)}"
+            )
+        busy = [u for u in unit.members() if u.training_state is not TrainingState.IDLE]
+        if busy:
+            raise ValueError(
+                f"set_communication_overlap() expected every unit in TrainingState.IDLE but {busy[0].where()} is in "
+                f"{busy[0].training_state}: call it outside forward and backward"
+            )
+        unit.overlap_communication = enabled
+
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["ShardedDataParallel"]:
         """Every ``ShardedDataParallel`` in ``module``'s tree (``module`` included), in module

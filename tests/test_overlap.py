@@ -14,10 +14,11 @@ from tests._models import Block, batch, build, lm_loss, local, make_optim, wrap
 from tests._spy import recording
 
 
-def _reduction_events(rank, world_size):
+def _reduction_events(rank, world_size, overlap=True):
     """Events of one backward (second step), including when reductions are issued and completed."""
     with recording(reductions=True) as rec:
         model = wrap(build(n_blocks=4), "nested", backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+        model.set_communication_overlap(overlap)
         rec.attach(model)
         tokens, targets = (local(t, rank) for t in batch(0, world_size))
         optim = make_optim(model.parameters())
@@ -31,8 +32,9 @@ def _reduction_events(rank, world_size):
 
 
 class Swapping(nn.Module):
-    """Runs its blocks in the first-iteration order, then in reverse: every forward prefetch
-    of the later iterations (which follows the first iteration's order) misses."""
+    """Runs its blocks in the first-iteration order, then the even ones and then the odd ones:
+    the forward prefetches of the later iterations (which follow the first iteration's order)
+    gather the odd blocks long before their use."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +43,7 @@ class Swapping(nn.Module):
         self.calls = 0
 
     def forward(self, x):
-        order = list(self.blocks) if self.calls == 0 else list(reversed(self.blocks))
+        order = list(self.blocks) if self.calls == 0 else list(self.blocks[::2]) + list(self.blocks[1::2])
         self.calls += 1
         for block in order:
             x = block(x)
@@ -133,12 +135,18 @@ def _divergent_run(rank, world_size, iteration):
 
 
 class OverlapTest(TestCase):
-    def test_a_reduction_runs_until_the_next_units_backward_begins(self):
+    def test_a_reduction_runs_until_the_next_unit_has_queued_its_gradient(self):
         events = self.pool.run(_reduction_events, 2)[0]
-        # "reduce X" is issued in X's post-backward and "reduced X" completes it, when the next
-        # unit's backward begins, before that unit gathers or prefetches anything, or just before
-        # a unit assembles its own full gradient (blocks.0's before the root's; [Note: reductions
-        # in flight]); the root's at the end of backward
+        # "reduce X" is issued in X's post-backward; "reduced X" completes it in the next
+        # unit's post-backward, after that unit's gradient computation, before its own
+        # reduction is issued ([Note: reductions in flight]); the root's at the end of backward
+        self.assertExpectedInline(events, """pre-backward root | gather blocks.3 | pre-backward blocks.3 | gather blocks.2 | post-backward blocks.3 | reduce blocks.3 | free blocks.3 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | reduced blocks.3 | reduce blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | reduced blocks.2 | reduce blocks.1 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | reduced blocks.1 | reduce blocks.0 | free blocks.0 | post-backward root | reduced blocks.0 | reduce root | free root | reduced root""")
+
+    def test_without_overlap_a_reduction_completes_before_the_backward_allocates_again(self):
+        events = self.pool.run(_reduction_events, 2, False)[0]
+        # completed when the next unit's backward begins, before that unit gathers or
+        # prefetches anything, or just before a unit assembles its own full gradient (blocks.0's
+        # before the root's; [Note: reductions in flight]); the root's at the end of backward
         self.assertExpectedInline(events, """pre-backward root | gather blocks.3 | pre-backward blocks.3 | gather blocks.2 | post-backward blocks.3 | reduce blocks.3 | free blocks.3 | pre-backward blocks.2 | reduced blocks.3 | gather blocks.1 | post-backward blocks.2 | reduce blocks.2 | free blocks.2 | pre-backward blocks.1 | reduced blocks.2 | gather blocks.0 | post-backward blocks.1 | reduce blocks.1 | free blocks.1 | pre-backward blocks.0 | reduced blocks.1 | post-backward blocks.0 | reduce blocks.0 | free blocks.0 | reduced blocks.0 | post-backward root | reduce root | free root | reduced root""")
 
 
@@ -194,7 +202,8 @@ class OrderCheckTest(TestCase):
         self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #2 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'""")
         if not available_here():
             return
-        # through shared memory, already at the first all-gather that differs
+        # through shared memory too: both ranks prefetched the same units by the recorded order, so
+        # the check at the end of the forward names the first difference
         first, second = self.pool.run(_divergent, 2, 2, timeout=60)
         self.assertEqual(second, first.replace("[rank 0]", "[rank 1]"))
-        self.assertExpectedInline(first, """[rank 0] the ranks disagree on collective #25 of this model (every rank must run the same units in the same order, e.g. no data-dependent skipping): rank 0 issued an all-gather of unit 'blocks.1' (592 bytes of torch.float32); rank 1 an all-gather of unit 'blocks.2' (592 bytes of torch.float32)""")
+        self.assertExpectedInline(first, """[rank 0] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #2 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'""")

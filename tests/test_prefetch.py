@@ -19,6 +19,7 @@ def _step_events(
     no_sync=False,
     model_kwargs=None,
     mode="nested",
+    overlap=True,
 ):
     """Events of the second training step (the first records the forward order)."""
     with recording() as rec:
@@ -29,6 +30,7 @@ def _step_events(
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
         )
+        model.set_communication_overlap(overlap)
         rec.attach(model)
         optim = make_optim(model.parameters())
         tokens, targets = (local(t, rank) for t in batch(0, world_size))
@@ -53,24 +55,34 @@ class PrefetchOrderTest(TestCase):
     # Units: the root (embedding, final norm, head) and blocks.0-2, FULL_SHARD unless stated.
 
     def test_without_prefetch_each_unit_gathers_in_its_own_pre_backward(self):
-        events, collectives, peak = _events(self.pool, backward_prefetch=None)
+        events, collectives, peak = _events(self.pool, backward_prefetch=None, overlap=False)
         self.assertExpectedInline(
             events,
             """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.1 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | gather blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
         )
         self.assertEqual(peak, 2)  # the root and the computing block
 
+    def test_overlapping_gathers_the_next_unit_in_forward_without_forward_prefetch(self):
+        # (each forward gather is issued before the unit in front of it computes: [Note: overlap])
+        events, collectives, peak = _events(self.pool, backward_prefetch=None)
+        self.assertExpectedInline(
+            events,
+            """forward root | gather root | gather blocks.0 | forward blocks.0 | gather blocks.1 | free blocks.0 | forward blocks.1 | gather blocks.2 | free blocks.1 | forward blocks.2 | free blocks.2 | pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.1 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | gather blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+        )
+        self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 4})
+        self.assertEqual(peak, 3)  # the root, the computing block and the next one
+
     def test_backward_pre_gathers_the_next_unit_before_the_current_gradient(self):
         events, collectives, peak = _events(self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
         self.assertExpectedInline(
             events,
-            """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | gather blocks.2 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
+            """forward root | gather root | gather blocks.0 | forward blocks.0 | gather blocks.1 | free blocks.0 | forward blocks.1 | gather blocks.2 | free blocks.1 | forward blocks.2 | free blocks.2 | pre-backward root | gather blocks.2 | pre-backward blocks.2 | gather blocks.1 | post-backward blocks.2 | free blocks.2 | pre-backward blocks.1 | gather blocks.0 | post-backward blocks.1 | free blocks.1 | pre-backward blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",
         )
         self.assertEqual(collectives, {"all_gather": 7, "reduce_scatter": 4})  # never gathered twice
         self.assertEqual(peak, 3)  # root, computing block, prefetched block: bounded
 
     def test_backward_post_gathers_the_next_unit_after_the_current_gradient(self):
-        events, collectives, peak = _events(self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+        events, collectives, peak = _events(self.pool, backward_prefetch=BackwardPrefetch.BACKWARD_POST, overlap=False)
         self.assertExpectedInline(
             events,
             """forward root | gather root | forward blocks.0 | gather blocks.0 | free blocks.0 | forward blocks.1 | gather blocks.1 | free blocks.1 | forward blocks.2 | gather blocks.2 | free blocks.2 | pre-backward root | pre-backward blocks.2 | gather blocks.2 | post-backward blocks.2 | free blocks.2 | gather blocks.1 | pre-backward blocks.1 | post-backward blocks.1 | free blocks.1 | gather blocks.0 | pre-backward blocks.0 | post-backward blocks.0 | free blocks.0 | post-backward root | free root""",

@@ -246,6 +246,9 @@ class Communicator:
         # ``_guard``; bound by the guard), and what its collectives are of, for messages.
         self.guard: Optional[Any] = guard
         self.label = ""
+        # The CUDA stream chained collectives are issued from ([Note: chained all-reduce]),
+        # made at the first one.
+        self._chain_stream: Optional[Any] = None
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "Communicator":
         """A copied model talks over the same group, through an exchange and a guard of its own
@@ -390,6 +393,35 @@ class Communicator:
         self._note("all_reduce", "all_reduce", self._ring_bytes(tensor))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return _maybe_wait(self._pending(work, lambda: tensor.div_(self.world_size)), async_op)
+
+    def all_reduce_mean_after(self, before: Pending, tensor: torch.Tensor) -> Optional[Pending]:
+        """Issue now the mean of ``tensor`` over the ranks, to run once ``before`` (the
+        collective that writes ``tensor``) has completed, without the current stream waiting
+        for either; ``None`` where that cannot be done (not CUDA): see [Note: chained
+        all-reduce].
+
+        [Note: chained all-reduce] Under hybrid sharding a gradient is reduce-scattered in its
+        shard group and the result then averaged over the replicas. Issued only after the
+        reduce-scatter was waited for on the compute stream, the all-reduce would start after
+        the compute queued before that wait, and the compute queued after it would wait for it.
+        On CUDA the chain goes through a side stream instead: the side stream waits for the
+        compute stream (the gradient is complete there), waits for the reduce-scatter and runs
+        its finishing step, and the all-reduce is issued from it, so NCCL orders it after the
+        reduce-scatter and the compute stream waits for the pair only where the result is
+        used. Every tensor of the chain was allocated on the compute stream and is referenced
+        until that wait, which orders every later use of its memory after the chain: no
+        ``record_stream`` is needed. A host-driven backend (gloo) can only issue the all-reduce
+        once the reduce-scatter has completed on the host, so the runtime issues it at its next
+        wait point (``HandleGrads.advance_reduction``)."""
+        if tensor.device.type != "cuda" or self.world_size == 1:
+            return None
+        if self._chain_stream is None:
+            self._chain_stream = torch.cuda.Stream(device=tensor.device)
+        side = self._chain_stream
+        side.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(side):
+            before.wait()
+            return self.all_reduce_mean(tensor, async_op=True)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Replace ``tensor`` in place by its elementwise ``"sum"`` or ``"max"`` over the ranks."""

@@ -54,16 +54,23 @@ _FORWARD = TrainingState.FORWARD
 _BACKWARD_PRE = TrainingState.BACKWARD_PRE
 _BACKWARD_POST = TrainingState.BACKWARD_POST
 
-# [Note: reductions in flight] A unit's gradient reduction is issued in its post-backward and
-# completed as soon as the backward is about to allocate memory: when the next unit's backward
-# begins (``begin_backward``, before that unit gathers or prefetches) and just before any unit
-# assembles its full gradient (a hook on the node that concatenates the views' gradients --
-# e.g. the root's own gradient after its last block's). The collective runs while autograd
-# moves on, and its full gradient is gone before anything else is allocated. Holding it longer
-# (while later units compute) overlapped more on gloo, but every reduction in flight keeps a
-# unit-sized full gradient: measured on the fake process group, the 1B model's backward peak
-# per rank was 14% above FSDP1's with two in flight (bench/RESULTS.md). At most this many are in
-# flight at once (units whose backwards end back to back).
+# [Note: reductions in flight] A unit's gradient reduction is issued in its post-backward,
+# once autograd has queued the computation of its gradient. When it is waited for depends on
+# the root's overlap setting (``ShardedDataParallel.set_communication_overlap``):
+# - overlapping (the default): at the next unit's post-backward, before that unit's own
+#   reduction is issued. The next unit's gradient computation has been queued by then, so the
+#   reduction ran behind it ([Note: overlap]); meanwhile it holds its unit's full gradient,
+#   one unit's gradient more than FSDP1 holds on the fake process group (FSDP1 and FSDP2 pay
+#   the same on a GPU, where their streams keep one in flight). Under hybrid sharding on a
+#   host-driven backend that wait issues the all-reduce over the replicas, which the wait
+#   after the following unit's computation completes ([Note: chained all-reduce]).
+# - not overlapping (FSDP1's lowest peak): as soon as the backward is about to allocate: when
+#   the next unit's backward begins (``begin_backward``, before that unit gathers or
+#   prefetches) and just before any unit assembles its full gradient (a hook on the node that
+#   concatenates the views' gradients). The full gradient is gone before anything else is
+#   allocated: the backward peak per rank is FSDP1's on the fake process group
+#   (bench/RESULTS.md). At most this many are in flight at once (units whose backwards end
+#   back to back).
 MAX_REDUCTIONS_IN_FLIGHT = 2
 # How many units a prefetch may gather ahead of their use under limit_all_gathers.
 MAX_PREFETCHED = 2
@@ -134,7 +141,7 @@ def _post_accumulate(runtime_ref: "weakref.ref[RootRuntime]", unit_ref: "weakref
 def _before_full_grad(runtime_ref: "weakref.ref[RootRuntime]", grads: Any) -> None:
     # (on an autograd node, out of the garbage collector's sight: holds the runtime weakly)
     runtime = runtime_ref()
-    if runtime is not None:
+    if runtime is not None and not runtime.overlap:
         runtime.finish_reductions()  # (see [Note: reductions in flight])
 
 
@@ -161,6 +168,11 @@ class RootRuntime(AgreementChecks, RootContext):
         # Whether the running backward is the guarded call it opened ([Note: a forward is a
         # guarded call]; a backward inside a forward is part of that forward's call).
         self.backward_owns_call = False
+
+    @property
+    def overlap(self) -> bool:
+        """Whether communication overlaps compute ([Note: overlap]); the root's setting."""
+        return self.root.overlap_communication
 
     def _make_hooks(self) -> None:
         """The callables registered with autograd, made once: opaque to dynamo if it is loaded
@@ -327,7 +339,7 @@ class RootRuntime(AgreementChecks, RootContext):
         self._consume_prefetch(unit)
         if self._gather(unit, unit.handles):
             self.gathered_in_forward.add(unit)
-        if unit.config.forward_prefetch and not recompute:
+        if (unit.config.forward_prefetch or self.overlap) and not recompute:
             target = self.exec_order.next_in_forward(unit)
             if target is not None and self._prefetch(target):
                 self.gathered_in_forward.add(target)
@@ -449,7 +461,8 @@ class RootRuntime(AgreementChecks, RootContext):
         self._queue_finalizer()
         state = unit.training_state
         if state is _IDLE:
-            self.finish_reductions()  # (see [Note: reductions in flight])
+            if not self.overlap:
+                self.finish_reductions()  # (see [Note: reductions in flight])
             needed = list(unit.handles)
             unit.move((_IDLE,), _BACKWARD_PRE)
             unit.pending.update(needed)
@@ -518,6 +531,8 @@ class RootRuntime(AgreementChecks, RootContext):
         if handle.state is not HandleState.UNSHARDED:
             raise AssertionError(f"{unit.where()}: gradient computed while the parameters were {handle.state.name}")
         if unit.sync_gradients:
+            if self.overlap:
+                self._advance_reductions(unit)
             if unit.world_size > 1:
                 self._check_order(token(REDUCE, self.index[unit]))
             if handle.reduce_grad(async_op=True):
@@ -529,12 +544,25 @@ class RootRuntime(AgreementChecks, RootContext):
         self._done(unit, [handle])
 
     def _track_reduction(self, unit: Unit, handle: FlatParamHandle) -> None:
-        """A reduction stays in flight until the next unit's backward begins (see [Note:
-        reductions in flight]), at most ``MAX_REDUCTIONS_IN_FLIGHT`` at once; the end of
+        """A reduction stays in flight until its wait point (see [Note: reductions in
+        flight]), without overlap at most ``MAX_REDUCTIONS_IN_FLIGHT`` at once; the end of
         backward completes the rest."""
         self.reducing.append((unit, handle))
-        while len(self.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
+        while not self.overlap and len(self.reducing) > MAX_REDUCTIONS_IN_FLIGHT:
             self._finish_reduction(*self.reducing.pop(0))
+
+    def _advance_reductions(self, unit: Unit) -> None:
+        """``unit``'s gradient computation is queued: the reductions of other units, issued
+        before it, have run behind it; complete them (or, under hybrid sharding on a
+        host-driven backend, move them on to their all-reduce over the replicas: [Note:
+        chained all-reduce]). ``unit``'s own handles finishing one after another stay in flight."""
+        staying = []
+        for other, handle in self.reducing:
+            if other is unit or not handle.advance_reduction():
+                staying.append((other, handle))
+            else:
+                self._trace("reduced", self._handle_label(other, handle))
+        self.reducing[:] = staying
 
     def finish_reductions(self) -> None:
         """Complete every reduction in flight, oldest first."""

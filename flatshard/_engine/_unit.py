@@ -108,6 +108,9 @@ class Unit:
         self.parent: Optional[Unit] = None  # the nearest enclosing unit
         self.descendants: List[Tuple[str, Unit]] = []  # every unit under this one, named
         self.sync_gradients = True
+        # Whether, while this unit is a root, communication overlaps compute ([Note: overlap]
+        # in ``_runtime``; ``ShardedDataParallel.set_communication_overlap``).
+        self.overlap_communication = True
         # Handles whose backward has not finished yet in the current backward.
         self.pending: Set[FlatParamHandle] = set()
         # Input-gradient hooks of this iteration's forwards that have not fired yet (they

@@ -9,7 +9,7 @@ reverse, so it drives ``backward_prefetch``. It is cleared at the end of each ba
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, Hashable, List, Optional, TypeVar
+from typing import Callable, Dict, Generic, Hashable, List, Optional, Set, TypeVar
 
 _U = TypeVar("_U", bound=Hashable)
 
@@ -24,9 +24,11 @@ class ExecOrder(Generic[_U]):
         self._post_forward: List[_U] = []
         self._post_forward_index: Dict[_U, int] = {}
         self._this_forward: List[_U] = []  # every pre-forward of the current root forward
+        self._ran: Set[_U] = set()  # the units of ``_this_forward``
 
     def record_pre_forward(self, unit: _U) -> None:
         self._this_forward.append(unit)
+        self._ran.add(unit)
         if not self._forward_frozen and unit not in self._forward_index:
             self._forward_index[unit] = len(self._forward)
             self._forward.append(unit)
@@ -34,6 +36,7 @@ class ExecOrder(Generic[_U]):
     def start_forward(self) -> None:
         """Called when the root's forward starts."""
         self._this_forward.clear()
+        self._ran.clear()
 
     def this_forward(self) -> List[_U]:
         """The units, in the order their forward started, since the root's forward started."""
@@ -58,11 +61,18 @@ class ExecOrder(Generic[_U]):
         self._post_forward_index.clear()
 
     def next_in_forward(self, unit: _U) -> Optional[_U]:
-        """The unit that started its forward after ``unit`` in the first iteration."""
+        """The unit that started its forward after ``unit`` in the first iteration, unless it
+        has run in this forward already.
+
+        (A rank whose units run in another order than the first iteration's prefetches the
+        same units as its peers then, each once: without that exception it would gather again
+        a unit it ran and freed, one collective more than its peers, which would pair with
+        their order check and abort the process on gloo instead of raising there.)"""
         index = self._forward_index.get(unit)
         if index is None or index + 1 >= len(self._forward):
             return None
-        return self._forward[index + 1]
+        target = self._forward[index + 1]
+        return None if target in self._ran else target
 
     def next_in_backward(self, unit: _U, wanted: Callable[[_U], bool]) -> Optional[_U]:
         """The latest unit that finished its forward before ``unit`` and is ``wanted``

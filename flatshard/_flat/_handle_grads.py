@@ -132,6 +132,8 @@ class HandleGrads:
             if self.orig is not None:
                 self.orig.give_grads(self.flat_param.grad)
         self._reduction = _Reduction(pending, reduced, grad, placeholder)
+        if self._replicates():
+            self._reduction.replicated = self.replicate.all_reduce_mean_after(pending, reduced)  # type: ignore[union-attr]
         if not async_op:
             self.finish_reduction()
         return True
@@ -166,11 +168,34 @@ class HandleGrads:
         self.flat_param.grad = stand_in(self.flat_param)
         self.flat_param.grad.data = data
 
+    def _replicates(self) -> bool:
+        """Whether reduced gradients are averaged over replicas too (hybrid sharding)."""
+        return self.replicate is not None and self.replicate.world_size > 1
+
+    def advance_reduction(self) -> bool:
+        """At a wait point of the runtime after the compute that the reduction in flight hid
+        behind: complete it (``True``), or, where its all-reduce over the replicas could not be
+        chained when it was issued (a host-driven backend: [Note: chained all-reduce]), wait
+        for its reduce-scatter and issue that all-reduce, which stays in flight (``False``)."""
+        reduction = self._reduction
+        if reduction is None:
+            return True
+        if self._replicates() and reduction.replicated is None:
+            reduction.pending.wait()
+            reduction.full = None  # (the reduce-scatter no longer reads it)
+            reduction.replicated = self.replicate.all_reduce_mean(reduction.reduced, async_op=True)  # type: ignore[union-attr]
+            return False
+        self.finish_reduction(settle=False)
+        return True
+
     def _accumulate(self, reduction: "_Reduction") -> None:
         reduction.pending.wait()
         shard_grad = reduction.reduced
-        if self.replicate is not None and self.replicate.world_size > 1:
-            self.replicate.all_reduce_mean(shard_grad)
+        if reduction.replicated is not None:
+            reduction.replicated.wait()  # (on CUDA the compute stream's first wait of the chain)
+        elif self._replicates():
+            self.replicate.all_reduce_mean(shard_grad)  # type: ignore[union-attr]
+        reduction.full = None
         if shard_grad.dtype != self.grad_dtype:
             shard_grad = shard_grad.to(self.grad_dtype)
         if self.offload:
@@ -233,6 +258,8 @@ class HandleGrads:
         if self._reduction is not None:
             reduction, self._reduction = self._reduction, None
             reduction.pending.drain()
+            if reduction.replicated is not None:
+                reduction.replicated.drain()
             grad = self.flat_param.grad
             if grad is not None and reduction.is_placeholder(grad):
                 grad.zero_()
@@ -390,17 +417,21 @@ class HeldGrad(Enum):
 @dataclass
 class _Reduction:
     """A gradient reduction in flight: the collective, the tensor receiving this rank's part,
-    the full gradient it reduces and the placeholder ``.grad`` made for it with its version
-    then (``None`` if ``.grad`` existed).
+    the full gradient it reduces, the placeholder ``.grad`` made for it with its version then
+    (``None`` if ``.grad`` existed), and under hybrid sharding the all-reduce over the replicas
+    once issued ([Note: chained all-reduce]).
 
     The full gradient must stay alive and unchanged until ``pending.wait()`` has returned, not
     only until the collective completes: with two ranks on gloo the finishing step reads this
-    rank's own chunk from it ([Note: pair exchange]). The reduction holds it until then."""
+    rank's own chunk from it ([Note: pair exchange]); on CUDA the compute stream must have
+    waited for the collective before its memory is reused ([Note: streams and waits]). The
+    reduction holds it until then (``None`` after)."""
 
     pending: Pending
     reduced: torch.Tensor
-    full: torch.Tensor
+    full: Optional[torch.Tensor]
     placeholder: Optional[Tuple[torch.Tensor, int]]
+    replicated: Optional[Pending] = None
 
     def is_placeholder(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the untouched placeholder."""
