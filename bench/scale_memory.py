@@ -1,12 +1,15 @@
-"""Per-rank memory at scale, flatshard against torch FSDP1, on torch's fake process group.
+"""Per-rank memory at scale, flatshard against torch FSDP1 and FSDP2, on torch's fake process group.
 
     python bench/scale_memory.py                                   # 1b at N = 8, 512, 4096
     python bench/scale_memory.py --model 7b --world-sizes 1024 --seq 32
+    python bench/scale_memory.py --impls "flatshard,flatshard no overlap,fsdp1,fsdp2"
 
 One process per (implementation, N) runs as one rank of N (the last by default) on torch's fake
 process group: collectives return at once and exchange nothing, memory is real. The model (a
 Llama, ``bench/llama.py``) is built on the meta device and materialised one unit at a time by
-``param_init_fn``, one unit per decoder layer, fp32, AdamW, two training steps. Bytes are the
+``param_init_fn`` (FSDP2: ``fully_shard`` on the meta model, then ``to_empty`` and the same
+initialisation), one unit per decoder layer, fp32, AdamW, two training steps. "flatshard no
+overlap" is flatshard after ``set_communication_overlap(False)``. Bytes are the
 CPU allocator's, phase by phase (``flatshard._base._memory_timeline``, [Note: measuring memory]):
 the peak of the second step's forward, backward and optimizer step, and what stays allocated
 between steps (after ``zero_grad(set_to_none=True)``). The last columns are flatshard's
@@ -57,8 +60,11 @@ def _child(impl: str, model: str, world: int, rank: int, batch: int, seq: int) -
     with MemoryTimeline(torch.device("cpu")) as timeline:
         with timeline.phase("construct"):
             policy = ModuleWrapPolicy({DecoderLayer})
-            if impl == "flatshard":
+            if impl.startswith("flatshard"):
                 wrapped = flatshard.ShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=init)
+                wrapped.set_communication_overlap(impl == "flatshard")
+            elif impl == "fsdp2":
+                wrapped = _fsdp2(meta)
             else:
                 from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -83,6 +89,27 @@ def _child(impl: str, model: str, world: int, rank: int, batch: int, seq: int) -
     return {"phases": phases, "shards": shards, "optimizer_state": state, "planned": dict(planned.memory())}
 
 
+def _fsdp2(meta: Any) -> Any:
+    """FSDP2 over the meta model: one group per decoder layer and the root, then materialised
+    on the CPU, initialised as ``_child``'s ``init`` does."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from llama import DecoderLayer
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for module in meta.modules():
+        if isinstance(module, DecoderLayer):
+            fully_shard(module, mesh=mesh)
+    fully_shard(meta, mesh=mesh)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.normal_(0.0, 0.02)
+    return meta
+
+
 def _run(impl: str, args: argparse.Namespace, world: int) -> Dict[str, Any]:
     rank = world - 1 if args.rank == "last" else int(args.rank)
     env = dict(os.environ, OMP_NUM_THREADS="1", FLATSHARD_SHARED_MEMORY="0")
@@ -105,7 +132,7 @@ def main() -> None:
     p.add_argument("--rank", default="last", help="'last' or a rank number")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--impls", default="flatshard,fsdp1")
+    p.add_argument("--impls", default="flatshard,flatshard no overlap,fsdp1,fsdp2")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -125,11 +152,14 @@ def main() -> None:
                 f"{_mib(ph['backward']['peak'])} | {_mib(ph['optimizer step']['peak'])} | {_mib(ph['zero_grad']['end'])} | "
                 f"{_mib(res['shards'] + res['optimizer_state'])} | {_mib(planned)} |"
             )
-        if len(results) == 2:
-            a, b = (r["phases"] for r in results)
-            ratios = ", ".join(f"{k} {a[k]['peak'] / max(b[k]['peak'], 1):.2f}x" for k in ("forward", "backward", "optimizer step"))
-            print(f"| {world} | {impls[0]} / {impls[1]} | | | | | {a['zero_grad']['end'] / max(b['zero_grad']['end'], 1):.2f}x between steps; peaks: {ratios} | | |")
-
+        if "fsdp1" in impls:
+            base = results[impls.index("fsdp1")]["phases"]
+            for impl, res in zip(impls, results):
+                if impl == "fsdp1":
+                    continue
+                a = res["phases"]
+                ratios = ", ".join(f"{k} {a[k]['peak'] / max(base[k]['peak'], 1):.2f}x" for k in ("forward", "backward", "optimizer step"))
+                print(f"| {world} | {impl} / fsdp1 | | | | | {a['zero_grad']['end'] / max(base['zero_grad']['end'], 1):.2f}x between steps; peaks: {ratios} | | |")
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,7 @@ from tests._fuzz import Case
 MODEL_FEATURES = frozenset({
     "reuse", "share", "unused", "tie_head", "tie_deep", "buffers", "frozen", "out_containers", "act_ckpt",
     "eval_bypass", "policy", "manual", "mixed_strategy", "hybrid", "prefetch", "sgd", "offload", "comm_hook",
-    "sync_states", "orig",
+    "sync_states", "orig", "no_overlap",
 })
 KINDS = ["error", "oserror", "interrupt", "kill"]
 # The operations of a schedule, with the weights they are drawn with.

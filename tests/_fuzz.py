@@ -88,6 +88,7 @@ FEATURES: Dict[str, str] = {
     "nosync_grad": "between no_sync micro-batches: the local gradients scaled in place (orig) or zero_grad()",
     "nosync_grad_kept": "those no_sync gradient edits also in steps without zero_grad (orig: only zero_grad(set_to_none=True), W-3)",
     "clamp": "Linear weights clamped in place by the module inside no_grad / inference_mode forwards",
+    "no_overlap": "set_communication_overlap(False) in some steps (else every step overlaps, the default)",
 }
 KNOWN = {
     "aux": "1", "nosync_absent": "2", "hybrid1": "3", "toggle": "4", "meta": "5", "fail": "6", "metric": "7", "osd_rank0": "8",
@@ -174,6 +175,8 @@ def generate(seed: int, world_size: Optional[int] = None, features: Iterable[str
     extras = {"sync_states": rng.random() < 0.25, "offload": rng.random() < 0.2, "comm_hook": rng.random() < 0.2}
     extras["orig"] = rng.random() < 0.5  # (drawn after the above: the other draws of a seed stay as they were)
     _gen_writes(rng, spec, steps, checkpoint)  # (drawn after orig, for the same reason)
+    for step in steps:  # (drawn last, for the same reason)
+        step["overlap"] = rng.random() < 0.7
     case = Case(seed, ws, (), spec, wrap, strategy, hybrid, prefetch, fwd, limit, meta, optim, set_to_none, per_rank, steps, checkpoint, every, extras)
     return restrict(case, features)
 
@@ -414,13 +417,16 @@ def restrict(case: Case, features: Iterable[str]) -> Case:
         if index == 0 and "fresh_osd" not in on:
             step["reload"] = None
     _restrict_writes(c, on)
+    if "no_overlap" not in on:
+        for step in c.steps:
+            step["overlap"] = True
     return c
 
 
 def _fill_defaults(c: Case) -> None:
     """Cases saved before the write features existed (JSON) have none of them."""
     for step in c.steps:
-        for key, empty in (("edits", []), ("grad_edits", []), ("ptoggles", []), ("nosync_edits", []), ("ema", None), ("copy", None)):
+        for key, empty in (("edits", []), ("grad_edits", []), ("ptoggles", []), ("nosync_edits", []), ("ema", None), ("copy", None), ("overlap", True)):
             step.setdefault(key, empty)
     c.spec.setdefault("clamp", None)
     if c.checkpoint is not None:

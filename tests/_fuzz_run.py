@@ -124,6 +124,7 @@ class Run:
                 for p in self.params_for(self.model, t["key"]):
                     p.requires_grad_(t["flag"])
             self.edit_params(plan, "start")
+            self.set_overlap(plan["overlap"])
             if plan["zero_grad"]:
                 self.optim.zero_grad(set_to_none=case.set_to_none)
             for i, op in enumerate(plan["pre"]):
@@ -302,6 +303,9 @@ class Run:
     def no_sync(self) -> Any:
         return contextlib.nullcontext()
 
+    def set_overlap(self, on: bool) -> None:
+        """This step's communication overlap: the wrapped model's (the reference has none)."""
+
     def toggle(self, index: int, flag: bool, via: str) -> None:
         raise NotImplementedError
 
@@ -450,6 +454,9 @@ class ShardedRun(Run):
             hook = comm_hooks.allreduce_hook if no_shard else comm_hooks.reduce_scatter_hook
             self.model.register_comm_hook(comm_hooks.DefaultState(self.model.process_group), hook)
         self.optim = make_optim(case, self.model.parameters())
+
+    def set_overlap(self, on: bool) -> None:
+        self.model.set_communication_overlap(on)
 
     def units(self) -> Tuple[List[List[str]], List[List[str]]]:
         """Per unit (``fsdp_modules`` order) every original parameter name in its subtree; per

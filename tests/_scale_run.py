@@ -154,8 +154,10 @@ def main(world: int, rank: int) -> Dict[str, Any]:
 
 
 def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
-    """Each phase's peak bytes of a training step (the second), flatshard's and torch FSDP1's,
-    one after the other in this process, counted from before each model is built."""
+    """Each phase's peak bytes of a training step (the second), flatshard's (with overlap and
+    without: ``set_communication_overlap``) and torch FSDP1's, one after the other in this
+    process, counted from before each model is built; and the bytes of one block's full
+    parameters ("block")."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from flatshard import ShardedDataParallel
@@ -167,14 +169,15 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
     init_fake_world(rank, world)
     tokens = torch.randint(0, VOCAB, (2, 16))
     found = {}
-    for name in ("flatshard", "fsdp1"):
+    for name in ("flatshard", "flatshard without overlap", "fsdp1"):
         gc.collect()  # (the model before is gone before this one's timeline starts)
         with MemoryTimeline(torch.device("cpu")) as timeline:
             with torch.device("meta"):
                 meta = Decoder()
             policy = ModuleWrapPolicy({Block})
-            if name == "flatshard":
+            if name.startswith("flatshard"):
                 model: nn.Module = ShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init)
+                model.set_communication_overlap(name == "flatshard")
             else:
                 model = FullyShardedDataParallel(meta, auto_wrap_policy=policy, param_init_fn=_init, device_id=torch.device("cpu"))
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -190,6 +193,7 @@ def peaks(world: int, rank: int) -> Dict[str, Dict[str, int]]:
         found[name] = {phase: m.peak for phase, m in timeline.phases.items()}
         del model, optim, meta
     dist.destroy_process_group()
+    found["block"] = {"bytes": sum(p.numel() * p.element_size() for p in Block().parameters())}
     return found
 
 

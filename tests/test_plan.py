@@ -118,7 +118,7 @@ layers.0  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  fl
 layers.1  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 8p/312, float32 frozen 7p/280
 tied parameters:
   embed.weight = head.weight  ->  <root>
-estimated peak per rank (parameters + gradients): 10.3 KiB = parameter shards 2.5 KiB + gradient shards 1.5 KiB + gathered parameters 5.1 KiB + unsharded gradient 1.2 KiB""")
+estimated peak per rank (parameters + gradients): 11.5 KiB = parameter shards 2.5 KiB + gradient shards 1.5 KiB + gathered parameters 5.1 KiB + unsharded gradient 2.4 KiB""")
         self.assertEqual(plan.peak_bytes, sum(v for _, v in plan.memory()))
 
     def test_no_policy_and_no_shard(self):
@@ -154,7 +154,7 @@ layers.0  Layer              FULL_SHARD      15       592  2.3 KiB     792 B  fl
 layers.1  Layer              FULL_SHARD      15       592  2.3 KiB     792 B  float32 15p/592
 tied parameters:
   embed.weight = head.weight  ->  <root>
-estimated peak per rank (parameters + gradients): 10.8 KiB = parameter shards 1.7 KiB + gradient shards 1.7 KiB + gathered parameters 5.1 KiB + unsharded gradient 2.3 KiB
+estimated peak per rank (parameters + gradients): 13.2 KiB = parameter shards 1.7 KiB + gradient shards 1.7 KiB + gathered parameters 5.1 KiB + unsharded gradient 4.6 KiB
 """)
 
 

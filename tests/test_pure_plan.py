@@ -227,7 +227,8 @@ class MemoryEstimateTest(TestCase):
     padded to 4 (16 B gathered, 8 B per rank), a 20 (80 B, 40 B), b 10 (40 B, 20 B)."""
 
     def memory(self, model, policy, world_size=2, **options):
-        return dict(plan(model, policy, world_size, **options).memory())
+        # (without overlap unless asked: the worked examples; test_overlap says what it adds)
+        return dict(plan(model, policy, world_size, **{"overlap_communication": False, **options}).memory())
 
     def test_full_shard(self):
         self.assertEqual(
@@ -235,7 +236,16 @@ class MemoryEstimateTest(TestCase):
             # gathered: the root (kept) + a (the largest unit computing) + b (prefetched)
             {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 16 + 80 + 40, "unsharded gradient": 80},
         )
-        self.assertEqual(plan(Toy(), LINEARS).peak_bytes, 68 + 68 + 136 + 80)
+        self.assertEqual(plan(Toy(), LINEARS, overlap_communication=False).peak_bytes, 68 + 68 + 136 + 80)
+
+    def test_overlap_adds_a_unit_gathered_ahead_and_a_gradient_in_flight(self):
+        # with overlap (the default) the forward gathers the next unit ahead whatever the
+        # prefetch options, and b's unsharded gradient (40 B) is in flight while a's is computed
+        overlap = self.memory(Toy(), LINEARS, backward_prefetch=None, overlap_communication=True)
+        self.assertEqual(overlap, {"parameter shards": 68, "gradient shards": 68, "gathered parameters": 16 + 80 + 40, "unsharded gradient": 80 + 40})
+        self.assertEqual(dict(plan(Toy(), LINEARS, backward_prefetch=None).memory()), overlap)
+        with self.assertRaisesRegex(TypeError, r"^overlap_communication must be a bool; got str 'yes'$"):
+            plan(Toy(), LINEARS, overlap_communication="yes")
 
     def test_prefetch_adds_the_second_largest_unit(self):
         without = self.memory(Toy(), LINEARS, backward_prefetch=None)
@@ -287,7 +297,8 @@ class MixedPrecisionPlanTest(TestCase):
     world size 2 as in MemoryEstimateTest; the shards stay float32."""
 
     def memory(self, model, policy, world_size=2, **options):
-        return dict(plan(model, policy, world_size, **options).memory())
+        # (without overlap unless asked: the worked examples; test_overlap says what it adds)
+        return dict(plan(model, policy, world_size, **{"overlap_communication": False, **options}).memory())
 
     def test_the_root_gathers_in_param_dtype(self):
         # no policy: one unit, the root, of 33 elements padded to 34 (17 per rank)
@@ -324,7 +335,7 @@ unit    module       strategy    params  elements  full  per rank  flat paramete
 <root>  Normed       FULL_SHARD       0         0   0 B       0 B  -
 lin     Linear       FULL_SHARD       2        20  80 B      40 B  float32 as bfloat16 2p/20
 norm    BatchNorm1d  FULL_SHARD       2         8  32 B      16 B  float32 2p/8
-estimated peak per rank (parameters + gradients): 224 B = parameter shards 56 B + gradient shards 56 B + gathered parameters 72 B + unsharded gradient 40 B""")
+estimated peak per rank (parameters + gradients): 256 B = parameter shards 56 B + gradient shards 56 B + gathered parameters 72 B + unsharded gradient 72 B""")
 
     def test_cpu_offload_without_offloading_parameters_changes_nothing(self):
         self.assertEqual(self.memory(Toy(), LINEARS, cpu_offload=CPUOffload(offload_params=False)), self.memory(Toy(), LINEARS))
@@ -390,7 +401,7 @@ layers.0  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  fl
 layers.1  Layer              FULL_SHARD      15       592  2.3 KiB   1.2 KiB  float32 as bfloat16 15p/592
 tied parameters:
   embed.weight = head.weight  ->  <root>
-estimated peak per rank (parameters + gradients): 11.1 KiB = parameter shards 2.5 KiB + gradient shards 2.5 KiB + gathered parameters 2.5 KiB + unsharded gradient 3.5 KiB
+estimated peak per rank (parameters + gradients): 14.6 KiB = parameter shards 2.5 KiB + gradient shards 2.5 KiB + gathered parameters 2.5 KiB + unsharded gradient 6.9 KiB
 """)
 
     def test_bad_mixed_precision_flags(self):

@@ -54,6 +54,27 @@ _FORWARD = TrainingState.FORWARD
 _BACKWARD_PRE = TrainingState.BACKWARD_PRE
 _BACKWARD_POST = TrainingState.BACKWARD_POST
 
+# [Note: overlap] flatshard computes on the one stream the user's code runs on and issues
+# its collectives asynchronously. An asynchronous NCCL collective first makes its own stream
+# wait for everything queued on the current stream, and a wait makes the current stream wait for
+# the collective: a collective runs behind the compute queued between its issue and its wait,
+# and behind nothing else (``tests/_overlap_trace.py`` measures exactly that, by dispatch order).
+# So, with overlap on (the default), every collective is issued before the compute it should
+# hide behind and waited for after it:
+# - forward: each unit's pre-forward issues the next unit's all-gather (by the first
+#   iteration's order, ``ExecOrder.next_in_forward``) before its own compute, whatever
+#   ``forward_prefetch`` says (FSDP1 gets the same from its streams); ``limit_all_gathers``
+#   still bounds how many units wait gathered ahead of their use;
+# - backward: ``backward_prefetch`` gathers as in FSDP1, and each reduction is waited for
+#   after the next unit's gradient computation ([Note: reductions in flight]), under hybrid
+#   sharding with its all-reduce over the replicas chained ([Note: chained all-reduce] in
+#   ``_comm/_collectives``).
+# Two stay exposed: the first gather of the forward (nothing is queued before it) and the last
+# reduction of the backward (nothing comes after it); a unit behind a lookup (an embedding) has
+# only that lookup to hide behind. The memory it costs: one unit gathered ahead in the forward
+# (FSDP1's rate limiter allows the same) and one unit's full gradient in flight in the backward.
+# ``set_communication_overlap(False)`` gives both back: FSDP1's peak on the fake process group.
+
 # [Note: reductions in flight] A unit's gradient reduction is issued in its post-backward,
 # once autograd has queued the computation of its gradient. When it is waited for depends on
 # the root's overlap setting (``ShardedDataParallel.set_communication_overlap``):

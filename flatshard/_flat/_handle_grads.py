@@ -424,7 +424,8 @@ class _Reduction:
     The full gradient must stay alive and unchanged until ``pending.wait()`` has returned, not
     only until the collective completes: with two ranks on gloo the finishing step reads this
     rank's own chunk from it ([Note: pair exchange]); on CUDA the compute stream must have
-    waited for the collective before its memory is reused ([Note: streams and waits]). The
+    waited for the collective before its memory is reused ([Note: streams and waits] in
+    ARCHITECTURE.md). The
     reduction holds it until then (``None`` after)."""
 
     pending: Pending

@@ -172,6 +172,9 @@ class Plan:
     measurement: Optional[Measurement] = None
     fit: Optional[Fit] = None
     other_sizes: Tuple[Tuple[int, int], ...] = ()
+    # Whether communication overlaps compute (``set_communication_overlap``): a unit's
+    # unsharded gradient stays in flight while the next one's is computed.
+    overlap: bool = False
 
     @property
     def shard_bytes(self) -> int:
@@ -201,8 +204,9 @@ class Plan:
         of the ``FULL_SHARD`` unit whose chain of enclosing ``FULL_SHARD`` units is largest
         (they stay gathered around it) and, with prefetch, of the next largest ``FULL_SHARD``
         unit; plus the largest trainable unit's unsharded gradient before it is reduced (with
-        its copy in ``reduce_dtype`` where that differs). Activations, optimizer state and
-        the buffers of collectives in flight are not included.
+        its copy in ``reduce_dtype`` where that differs) and, with overlap, the next largest
+        one's, in flight meanwhile ([Note: overlap] in ``_engine/_runtime``). Activations,
+        optimizer state and the other buffers of collectives in flight are not included.
         """
         by_name = {u.name: u for u in self.units}
         copying = [u for u in self.units if u.gathered_bytes]
@@ -223,7 +227,7 @@ class Plan:
             ("parameter shards", self.shard_bytes),
             ("gradient shards", self.grad_shard_bytes),
             ("gathered parameters", sum(u.gathered_bytes for u in kept) + busiest + sum(ahead)),
-            ("unsharded gradient", max((u.unsharded_grad_bytes for u in copying), default=0)),
+            ("unsharded gradient", sum(sorted((u.unsharded_grad_bytes for u in copying), reverse=True)[: 2 if self.overlap else 1])),
         )
 
     @property
@@ -307,6 +311,7 @@ def plan(
     process_group: Any = None,
     device_id: Any = None,
     device_mesh: Any = None,
+    overlap_communication: bool = True,
 ) -> Plan:
     """The units ``ShardedDataParallel(module, auto_wrap_policy=..., ...)`` would build on
     ``world_size`` ranks, computed without a process group (``module`` may be on the meta
@@ -352,12 +357,17 @@ def plan(
             measuring (default: the modules' ``reset_parameters()``, else small random values).
         process_group, device_id, device_mesh: not supported: the planner needs no process
             group (``world_size`` stands for it) and ``device`` says where a measurement runs.
+        overlap_communication: as ``ShardedDataParallel.set_communication_overlap`` (default
+            on): with it a unit is gathered ahead in the forward too, and a second unsharded
+            gradient is in flight in the backward.
 
     Returns:
         The ``Plan``; ``str(plan)`` is the table.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    if not isinstance(overlap_communication, bool):
+        raise TypeError(f"overlap_communication must be a bool; got {type(overlap_communication).__name__} {overlap_communication!r}")
     given = dict(  # (every constructor option: OPTION_NAMES)
         process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
         auto_wrap_policy=auto_wrap_policy, backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
@@ -371,8 +381,8 @@ def plan(
     units = [_unit_plan(u, options, world_size) for u in planned] + _existing_units(module, world_size)
     order = {clean_name(path): i for i, (path, _) in enumerate(module.named_modules())}
     units.sort(key=lambda u: order.get(u.name, len(order)))
-    prefetch = check_options(options).backward_prefetch is not None or forward_prefetch
-    result = Plan(world_size, tuple(units), prefetch)
+    prefetch = check_options(options).backward_prefetch is not None or forward_prefetch or overlap_communication
+    result = Plan(world_size, tuple(units), prefetch, overlap=overlap_communication)
     if measure:
         if example_input is None:
             raise ValueError("plan(measure=True) needs example_input: one batch to train on (the model's positional argument)")
@@ -387,8 +397,9 @@ def plan(
         def shards_at(n: int) -> int:
             return plan(module, world_size=n, print_table=False, **wrap_kwargs).shard_bytes
 
-        measured = measure_rank(module, wrap_kwargs, world_size, rank, example_input, loss_fn, optimizer, steps, torch.device(device))
-        again = measure_rank(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, example_input, loss_fn, optimizer, steps, torch.device(device))
+        run = (example_input, loss_fn, optimizer, steps, torch.device(device), overlap_communication)
+        measured = measure_rank(module, wrap_kwargs, world_size, rank, *run)
+        again = measure_rank(module, wrap_kwargs, 4 * world_size, 4 * world_size - 1, *run)
         fitted = fit_phases(measured, again, result.shard_bytes, shards_at(4 * world_size))
         others = tuple((n, shards_at(n)) for n in (at if at is not None else (8 * world_size, 64 * world_size)))
         result = dataclasses.replace(result, measurement=measured, fit=fitted, other_sizes=others)
@@ -528,6 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--min-num-params", type=int, help="size_based_auto_wrap_policy threshold")
     parser.add_argument("--always", action="store_true", help="always_wrap_policy")
     parser.add_argument("--no-meta", action="store_true", help="build the model for real instead of on the meta device")
+    parser.add_argument("--no-overlap", action="store_true", help="as set_communication_overlap(False): FSDP1's lowest peak")
     parser.add_argument(
         "--mixed-precision", metavar="FIELD=VALUE,...",
         help="MixedPrecision fields, e.g. param_dtype=bfloat16,reduce_dtype=float32 (dtypes by their torch name; "
@@ -562,7 +574,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             loss_fn=_load(args.loss) if args.loss else None, optimizer=_load(args.optimizer) if args.optimizer else None,
             at=[int(n) for n in args.at.split(",")] if args.at else None,
         )
-    plan(model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy], mixed_precision=mixed_precision, **extra)
+    plan(
+        model, _policy(args), world_size=args.world_size, sharding_strategy=ShardingStrategy[args.strategy],
+        mixed_precision=mixed_precision, overlap_communication=not args.no_overlap, **extra,
+    )
 
 
 _MP_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype")

@@ -121,11 +121,12 @@ def measure_rank(
     optimizer: Optional[Callable[[Any], torch.optim.Optimizer]],
     steps: int,
     device: torch.device,
+    overlap: bool = True,
 ) -> Measurement:
     """Wrap a copy of ``module`` as rank ``rank`` of ``world_size`` on the fake process group,
     with the constructor arguments ``wrap_kwargs`` (a meta model without a ``param_init_fn``
-    gets ``_init_for_measuring``'s), and train ``steps`` steps; see [Note: measuring a plan].
-    Needs no process group to exist."""
+    gets ``_init_for_measuring``'s) and communication overlapping compute or not (``overlap``),
+    and train ``steps`` steps; see [Note: measuring a plan]. Needs no process group to exist."""
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "plan(measure=True) runs this process as one rank of world_size on torch's fake process group, "
@@ -150,6 +151,7 @@ def measure_rank(
         with MemoryTimeline(device) as timeline:
             with timeline.phase("construction"):
                 wrapped = ShardedDataParallel(model, **kwargs)
+                wrapped.set_communication_overlap(overlap)
                 optim = (optimizer or _adamw)(wrapped.parameters())
             for step in range(steps):
                 with _phases(timeline, step == steps - 1) as phase:
