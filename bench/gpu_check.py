@@ -1,7 +1,8 @@
 """The GPU check (``bench/gpu_check.sh OUT``): CUDA tests, a throughput and memory table against
-torch FSDP1, FSDP2 and the plain model, and a profile of one flatshard step, in one command.
+torch FSDP1, FSDP2 and the plain model, a profile of one flatshard step, and the three on a
+simulated network, in one command.
 
-    bash bench/gpu_check.sh OUT              # on a machine with a CUDA GPU (about 3 minutes on an H100)
+    bash bench/gpu_check.sh OUT              # on a machine with a CUDA GPU (about 6 minutes on an H100)
     bash bench/gpu_check.sh --rounds 3 OUT   # each throughput run three times, in rotating order
     bash bench/gpu_check.sh --dry-run OUT    # on CPU: the same steps at tiny size, no tests run
 
@@ -9,6 +10,12 @@ Each part runs in its own process with its own time limit, so one that fails or 
 leaves the others' results; every part writes JSON into OUT, and the last step prints one
 summary table (also ``OUT/summary.md``). The dry run checks the arguments, imports and model
 building on CPU (the suite runs it, so the script cannot rot between GPU runs).
+
+The network part (``bench/simnet.py``, ``bench/gpu_network.py``) first runs the simulated
+network's self-check; only if it passes does it train flatshard, FSDP1 and FSDP2 at batch
+8 x 2048 on each network (``NETWORKS``), one process each, until its own time budget
+(``NETWORK_BUDGET_S``) is spent. In the dry run the self-check checks only the accounting (no
+kernels on CPU), and one process trains all three on every network at tiny size.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ("flatshard", "fsdp1", "fsdp2", "plain")
-TIME_LIMITS = {"tests": 240, "throughput": 100, "profile": 90}
+TIME_LIMITS = {"tests": 240, "throughput": 100, "profile": 90, "network_check": 90, "network": 75}
+NETWORK_IMPLS = ("flatshard", "fsdp1", "fsdp2")
+NETWORKS = ("none", "nvlink", "ib")  # (none first: the others' exposed time is measured against it)
+NETWORK_BUDGET_S = 240  # the whole network part's; a run not started by then is skipped
 
 
 def _run_part(name: str, cmd: List[str], out: Path, limit: float) -> Dict[str, Any]:
@@ -73,6 +83,31 @@ def run_all(out: Path, dry_run: bool, rounds: int) -> List[Dict[str, Any]]:
             parts.append(_run(name, [py, "bench/gpu_throughput.py", "--impl", impl, "--json", str(out / f"{name}.json"), *size, *steps], out, TIME_LIMITS["throughput"]))
     steps = ["--steps", "1"] if dry_run else []
     parts.append(_run("profile", [py, "bench/gpu_profile.py", "--json", str(out / "profile.json"), *size, *steps], out, TIME_LIMITS["profile"]))
+    parts += run_network(out, dry_run, _run)
+    return parts
+
+
+def run_network(out: Path, dry_run: bool, run: Any) -> List[Dict[str, Any]]:
+    """The network part: the self-check, then (if it passed) each implementation on each network."""
+    py = sys.executable
+    start = time.monotonic()
+    device = ["--device", "cpu"] if dry_run else []
+    check = run("network_check", [py, "bench/simnet.py", "--self-check", "--json", str(out / "simnet_check.json"), *device], out, TIME_LIMITS["network_check"])
+    parts = [check]
+    if dry_run:
+        size = ["--config", "tiny", "--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2", *device]
+        runs = [("network", ",".join(NETWORK_IMPLS), ",".join(NETWORKS))]
+    else:
+        size = []
+        runs = [(f"network_{impl}_{network}", impl, network) for impl in NETWORK_IMPLS for network in NETWORKS]
+    for name, impls, networks in runs:
+        if check["status"] != "ok":
+            parts.append({"part": name, "status": "skipped (the self-check failed)", "seconds": 0})
+        elif time.monotonic() - start > NETWORK_BUDGET_S:
+            parts.append({"part": name, "status": f"skipped (the network part's {NETWORK_BUDGET_S} s were spent)", "seconds": 0})
+        else:
+            cmd = [py, "bench/gpu_network.py", "--impl", impls, "--networks", networks, "--json-dir", str(out), *size]
+            parts.append(run(name, cmd, out, TIME_LIMITS["network"]))
     return parts
 
 
@@ -125,9 +160,60 @@ def summarize(out: Path, parts: List[Dict[str, Any]]) -> str:
     if (out / "profile.json").exists():
         prof = json.loads((out / "profile.json").read_text())
         lines.append("Profile of one flatshard step: " + ", ".join(f"{k} = {v}" for k, v in prof.items()))
+    lines += network_lines(out)
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
+
+
+def network_lines(out: Path) -> List[str]:
+    """The network part's summary: the self-check's verdict, then one row per implementation and
+    network, its exposed time against the same implementation's on no network."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from simnet import describe
+
+    check_path = out / "simnet_check.json"
+    if not check_path.exists():
+        return []
+    lines = ["", "Simulated network: " + describe(json.loads(check_path.read_text())), ""]
+    runs = {(r["impl"], r["network"]): r for r in (json.loads(p.read_text()) for p in sorted(out.glob("network_*.json")))}
+    if not runs:
+        return lines
+    first = next(iter(runs.values()))
+    lines += [
+        f"On a simulated network: Llama-style {first['config']} ({first['params'] / 1e9:.2f}B parameters), bf16 compute, fp32 reduction, "
+        f"batch {first['batch']} x {first['seq']} tokens, rank 0 of {first['world']}, median of {first['steps']} steps; nvlink: 360 GB/s bus bandwidth, "
+        "20 us per collective; ib: 45 GB/s, 20 us; none: torch's fake group. comm: the collectives' time per step by the model (kernels: as the GPU ran them); "
+        "exposed: the phase's time minus the same implementation's on no network; overlap = 1 - exposed step / comm (model)",
+        "",
+        "| network | implementation | tokens/s | MFU | step ms | comm ms (model) | comm ms (kernels) | exposed ms forward | exposed ms backward | exposed ms step | overlap | peak allocated GiB | peak reserved GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for network in NETWORKS:
+        for impl in NETWORK_IMPLS:
+            if (impl, network) in runs:
+                lines.append(_network_row(runs[(impl, network)], runs.get((impl, "none"))))
+    if first["device"] == "cpu":
+        lines += ["", "(on CPU, the dry run, collectives are only counted and take no time: its exposed time and overlap are noise)"]
+    off = [f"{r['impl']} on {r['network']} ({r['comm_measured_s'] / r['comm_modelled_s']:.2f}x)" for r in runs.values()
+           if r.get("comm_measured_s") and r["comm_modelled_s"] > 0 and abs(r["comm_measured_s"] / r["comm_modelled_s"] - 1) > 0.1]
+    if off:
+        lines += ["", "WARNING: the simulated collectives ran more than 10% off the model (the GPU's clock under load?): " + ", ".join(off)]
+    return lines + [""]
+
+
+def _network_row(r: Dict[str, Any], base: Optional[Dict[str, Any]]) -> str:
+    ms = lambda v: "-" if v is None else f"{1e3 * v:.1f}"  # noqa: E731
+    exposed: List[Optional[float]] = [None, None, None]
+    overlap = "-"
+    if base is not None and r["network"] != "none":
+        exposed = [r["phase_s"]["forward"] - base["phase_s"]["forward"], r["phase_s"]["backward"] - base["phase_s"]["backward"], r["step_s"] - base["step_s"]]
+        if r["comm_modelled_s"] > 0:
+            overlap = f"{100 * (1 - exposed[2] / r['comm_modelled_s']):.0f}%"
+    mem = [f"{r[k]:.2f}" if k in r else "-" for k in ("peak_allocated_gib", "peak_reserved_gib")]
+    comm = [ms(r["comm_modelled_s"]), ms(r.get("comm_measured_s"))] if r["network"] != "none" else ["-", "-"]
+    return (f"| {r['network']} | {r['impl']} | {r['tokens_per_s']:.0f} | {100 * r['mfu']:.1f}% | {ms(r['step_s'])} | {comm[0]} | {comm[1]} | "
+            f"{' | '.join(ms(e) for e in exposed)} | {overlap} | {mem[0]} | {mem[1]} |")
 
 
 def main(argv: List[str]) -> int:
@@ -143,7 +229,8 @@ def main(argv: List[str]) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here; use --dry-run for the CPU check of the script")
     args.out.mkdir(parents=True, exist_ok=True)
-    for stale in [*args.out.glob("throughput_*.json"), *args.out.glob("*.log"), *(args.out / n for n in ("profile.json", "tests.xml", "summary.md"))]:
+    stale_names = ("profile.json", "tests.xml", "summary.md", "simnet_check.json")
+    for stale in [*args.out.glob("throughput_*.json"), *args.out.glob("network_*.json"), *args.out.glob("*.log"), *(args.out / n for n in stale_names)]:
         stale.unlink(missing_ok=True)  # (the summary reads only what this run writes)
     parts = run_all(args.out, args.dry_run, args.rounds)
     print(summarize(args.out, parts), flush=True)
