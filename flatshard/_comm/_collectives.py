@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._doubling import DOUBLING_FROM, SEND, SWAP, TAKE, ThreadWork, schedule
 from ._peer_failures import together
 
 ProcessGroup = dist.ProcessGroup
@@ -242,6 +243,9 @@ class Communicator:
         # Carries the two-rank swaps when set: [Note: pair exchange over shared memory].
         self.channel: Optional[Any] = None
         self.channel_label = ""  # what this communicator's chunks are of (the peer's must match)
+        # From how many ranks ``agree`` takes its maximum by recursive doubling over gloo
+        # ([Note: agreement by recursive doubling] in ``_doubling``; tests lower it).
+        self.doubling_from = DOUBLING_FROM
         # The ``Guard`` whose calls its collectives belong to ([Note: one guarded path] in
         # ``_guard``; bound by the guard), and what its collectives are of, for messages.
         self.guard: Optional[Any] = guard
@@ -444,20 +448,39 @@ class Communicator:
 
     def agree(self, value: int, device: torch.device) -> bool:
         """Whether every rank passed the same ``value`` (a 63-bit integer, e.g. a
-        ``fingerprint``). Collective; its cost does not grow with the world size: two ranks
-        swap their values (through the pair exchange), more take the maximum of ``value``
-        and of ``-value`` in one all-reduce of two integers, which are each other's negation
-        exactly when the smallest value equals the largest."""
+        ``fingerprint``). Collective, of two integers: two ranks swap their values (through
+        the pair exchange), more take the maximum of ``value`` and of ``-value``, which are
+        each other's negation exactly when the smallest value equals the largest. Over gloo
+        that maximum takes about log2(N) rounds of messages rather than gloo's ring ([Note:
+        agreement by recursive doubling] in ``_doubling``); elsewhere it is one all-reduce."""
         if self.world_size == 1:
             return True
         if self.world_size == 2:
             first, second = self.gather_ints(value, device)
             return first == second
         both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-        self._note("all_reduce", "all_reduce", self._ring_bytes(both), True)
-        self._pending(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)).wait()
+        if self.gloo and both.device.type == "cpu" and self.world_size >= self.doubling_from:
+            self._maximum_by_doubling(both)
+        else:
+            self._note("all_reduce", "all_reduce", self._ring_bytes(both), True)
+            self._pending(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True)).wait()
         largest, negated_smallest = both.tolist()
         return largest == -negated_smallest
+
+    def _maximum_by_doubling(self, values: torch.Tensor) -> None:
+        """Replace ``values`` (a CPU tensor) by its elementwise maximum over the ranks, in
+        point-to-point messages on a thread of their own, waited on like a gloo collective."""
+        steps = schedule(self.rank, self.world_size)
+        group = self.group
+        peers = [dist.get_global_rank(group, step.peer) for step in steps]
+        sends = sum(step.kind in (SEND, SWAP) for step in steps)
+        self._note("all_reduce", "send_recv", sends * values.numel() * values.element_size(), True)
+
+        def run() -> None:
+            for step, peer in zip(steps, peers):
+                _step_of_maximum(step.kind, values, peer, group)
+
+        self._pending(ThreadWork(run, f"flatshard agreement check (rank {self.rank})")).wait()
 
     def gather_ints(self, value: int, device: torch.device) -> List[int]:
         """Every rank's ``value`` (one small synchronous all-gather)."""
@@ -469,6 +492,28 @@ class Communicator:
         everyone = torch.full((self.world_size,), value, dtype=torch.int64, device=device)
         self.all_gather(everyone, mine, check=True)
         return [int(v) for v in everyone.tolist()]
+
+
+def _step_of_maximum(kind: str, values: torch.Tensor, peer: int, group: ProcessGroup) -> None:
+    """One step of a recursive-doubling maximum with ``peer`` (a global rank), waited on
+    without a timeout of its own (see [Note: agreement by recursive doubling])."""
+    if kind == SEND:
+        dist.isend(values, dst=peer, group=group, tag=_AGREEMENT_TAG).wait()
+        return
+    theirs = torch.empty_like(values)
+    sending = dist.isend(values, dst=peer, group=group, tag=_AGREEMENT_TAG) if kind == SWAP else None
+    dist.irecv(theirs, src=peer, group=group, tag=_AGREEMENT_TAG).wait()
+    if sending is not None:
+        sending.wait()  # (before ``values`` changes under it)
+    if kind == TAKE:
+        values.copy_(theirs)
+    else:
+        torch.maximum(values, theirs, out=values)
+
+
+# The tag of the agreement's messages (a user's point-to-point messages on the same group, with
+# torch's default tag 0, are not matched with them).
+_AGREEMENT_TAG = 0x46534147
 
 
 def _dividing(output: torch.Tensor, divisor: int) -> Optional[Callable[[], None]]:

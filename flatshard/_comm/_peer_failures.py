@@ -32,9 +32,22 @@ rank's watches, the same on every rank when the ranks make the same objects in t
 and its call count.
 
 While nothing fails nothing touches the store: a wait shorter than a slice costs what it did,
-and a longer one costs one store lookup per peer per slice. A wait that reaches the process
-group's timeout raises a report instead (``timeout_report``): this rank's last collectives, the
-peers that reached the same collective and those that did not, and the step.
+and a longer one costs one store request per slice, whatever the number of ranks ([Note: one
+counter of changes]). A wait that reaches the process group's timeout raises a report instead
+(``timeout_report``): this rank's last collectives, the peers that reached the same collective
+and those that did not, and the step.
+
+[Note: one counter of changes] Every record written bumps one job-wide counter in the store
+(``_CHANGES``), after the record is set. A waiting rank reads the counter once per slice
+(``add(key, 0)``) and reads the peers' records only when it moved since its last full read,
+keeping that read's verdict otherwise: the verdict depends on nothing but the records and
+this rank's ``left_tag``, and a record that is set is counted before anyone can see the count
+move. So one slow rank (rank 0 writing a checkpoint) costs each of the N - 1 waiting ranks one
+request per slice, not N - 1 (N^2 requests per slice on one TCPStore at N ranks). Each watch
+makes one full read first, however the counter stands, so the records that were in the store
+before it was made (a peer stuck in another object's call) are read as they were before; a
+store that cannot answer the counter gets a full read, as before. The process keys that tell
+a peer's host and pid (written once, when the peer makes its watch) are read once per peer.
 
 Which waits can still only end at the timeout: NCCL's (a NCCL wait does not block the host;
 the host blocks later, in a synchronisation flatshard does not own), those inside
@@ -63,6 +76,8 @@ _E = TypeVar("_E", bound=BaseException)
 SLICE_S = 1.0
 # Where every rank's record and its watches' count live in the default store.
 _KEY = "flatshard/watch"
+# Bumped after every record written ([Note: one counter of changes]).
+_CHANGES = f"{_KEY}/changes"
 # The note on an error every rank raised at once (``mark_raised_together``).
 _TOGETHER = "(flatshard: every rank raised this together, before any collective could pair wrongly; the process group is usable)"
 # How often the rank that left a call looks for its peers' records while it decides.
@@ -123,6 +138,12 @@ class StepWatch:
         self.stuck: Optional[str] = None
         self.issued = 0  # collectives issued through this guard
         self.last: Deque[Tuple[int, int, str]] = deque(maxlen=_LAST)  # (number, step, what)
+        # The last full read of the peers' records: (the counter of changes, ``left_tag``)
+        # then, and its verdict ([Note: one counter of changes]).
+        self.seen: Optional[Tuple[int, str]] = None
+        self.verdict: Optional[_Record] = None
+        # The peers' processes as their watches wrote them: (host, pid), once read.
+        self.processes: Dict[int, Tuple[str, int]] = {}
 
     def _tag(self) -> str:
         return f"{self.number}:{self.calls}"
@@ -180,8 +201,14 @@ class StepWatch:
         every one left it too, else become stuck."""
         deadline = time.monotonic() + self.timeout_s
         pending = list(self.peers)
+        read_at: Optional[int] = None  # the counter of changes at the last read of the records
         while pending:
-            for peer in list(pending):
+            changes = self._changes()
+            if changes is not None and changes == read_at:
+                peers: List[int] = []  # (no record changed: [Note: one counter of changes])
+            else:
+                peers, read_at = list(pending), changes
+            for peer in peers:
                 record = self._read(peer)
                 if record is None or (record.state is not RecordState.STUCK and record.tag != left.tag and not _later(record.tag, left.tag)):
                     continue  # (nothing yet about this call: it is still in it, or has not heard)
@@ -241,7 +268,18 @@ class StepWatch:
 
     def _peer_failure(self) -> Optional[_Record]:
         """A peer's record that this rank cannot go on past: a LEFT of a call this rank did not
-        leave alike (the rank that left first, before those it left stuck), or a STUCK."""
+        leave alike (the rank that left first, before those it left stuck), or a STUCK. One
+        store request while no record changed ([Note: one counter of changes])."""
+        changes = self._changes()  # (before the records: a record set later moves it again)
+        if changes is not None and self.seen == (changes, self.left_tag):
+            return self.verdict
+        verdict = self._read_failures()
+        self.seen = None if changes is None else (changes, self.left_tag)
+        self.verdict = verdict
+        return verdict
+
+    def _read_failures(self) -> Optional[_Record]:
+        """``_peer_failure`` from every peer's record (a full read: one request or two per peer)."""
         found: List[_Record] = []
         mine: Optional[_Record] = None
         for record in map(self._read, self.peers):
@@ -299,25 +337,41 @@ class StepWatch:
         """Of ``peers``, those on this host whose process has exited (a peer elsewhere cannot
         be looked at)."""
         gone = []
+        here = socket.gethostname()
         for peer in peers:
+            process = self._process(peer)
+            if process is not None and process[0] == here and not _alive(process[1]):
+                gone.append(f"rank {peer} (process {process[1]}) exited")
+        return gone
+
+    def _process(self, peer: int) -> Optional[Tuple[str, int]]:
+        """``peer``'s (host, pid), read from the store once it is there."""
+        if peer not in self.processes:
             key = f"{_KEY}/process/{peer}"
             try:
                 if not self.store.check([key]):
-                    continue
+                    return None
                 host, pid = self.store.get(key).decode().rsplit(":", 1)
+                self.processes[peer] = (host, int(pid))
             except Exception:  # noqa: BLE001
-                continue
-            if host == socket.gethostname() and not _alive(int(pid)):
-                gone.append(f"rank {peer} (process {pid}) exited")
-        return gone
+                return None
+        return self.processes[peer]
 
     # -- the store ----------------------------------------------------------------------------------
 
     def _write(self, record: _Record) -> None:
         try:
             self.store.set(f"{_KEY}/left/{self.rank}", record.encode())
+            self.store.add(_CHANGES, 1)  # (after the record: see [Note: one counter of changes])
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing left to tell
             pass
+
+    def _changes(self) -> Optional[int]:
+        """The job's counter of records written; ``None`` if the store cannot say."""
+        try:
+            return int(self.store.add(_CHANGES, 0))
+        except Exception:  # noqa: BLE001 - then every look reads the records, as before
+            return None
 
     def _read(self, rank: int) -> Optional[_Record]:
         key = f"{_KEY}/left/{rank}"
