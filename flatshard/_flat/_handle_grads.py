@@ -125,13 +125,14 @@ class HandleGrads:
         pending, reduced = self._start_reduction(grad.contiguous())
         if self.orig is not None and self.separate_full:
             self.flat_grad()  # what the user left of the previous gradient
-        placeholder = None
+        placeholder, borrowed = None, False
         if self.flat_param.grad is None:
-            self._set_new_grad(torch.empty(self.flat_param.shape, dtype=self.grad_dtype, device=self._grad_device()))
+            data, borrowed = self._placeholder_data(grad)
+            self._set_new_grad(data)
             placeholder = (self.flat_param.grad, self.flat_param.grad._version)
             if self.orig is not None:
                 self.orig.give_grads(self.flat_param.grad)
-        self._reduction = _Reduction(pending, reduced, grad, placeholder)
+        self._reduction = _Reduction(pending, reduced, grad, placeholder, borrowed=borrowed)
         if self._replicates():
             self._reduction.replicated = self.replicate.all_reduce_mean_after(pending, reduced)  # type: ignore[union-attr]
         if not async_op:
@@ -155,6 +156,40 @@ class HandleGrads:
             hook[0](hook[1], grad, shard_grad)
             return Pending(None), shard_grad
         return self.comm.reduce_scatter_mean(shard_grad, grad, async_op=True), shard_grad
+
+    def _placeholder_data(self, full: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """The storage of a placeholder ``.grad`` (see [Note: gradient reduction]), and
+        whether it is borrowed from ``full``, the gradient being reduced.
+
+        [Note: a borrowed placeholder] While a reduction is in flight its full gradient is
+        alive anyway (the collective reads it), and with overlap it stays in flight while the
+        next unit's gradient is computed. A placeholder of its own would be one more shard in
+        flight, beyond what FSDP1 holds; so a sharded handle whose full gradient is in the
+        gradient's dtype and on its device borrows its first shard's worth of elements. Nothing
+        writes into a reduction's input (its result goes to a tensor of its own), so a user's
+        in-place change to the placeholder stays the user's. The placeholder gets storage of its
+        own (``_return_borrowed``) before the full gradient is released: replaced by the result
+        when the reduction completes, or copied out when the reduction is discarded, moves on to
+        its all-reduce over the replicas, or finds the placeholder changed. Not with original
+        parameters (their ``.grad``s are views of the placeholder) or a communication hook (it
+        may change its input)."""
+        if self.sharded and self.orig is None and self._comm_hook is None and full.dtype == self.grad_dtype and full.device == self._grad_device():
+            # (through ``set_``, not a view: a view's ``_base`` would keep the full gradient
+            # alive after the placeholder got storage of its own)
+            data = full.new_empty(0)
+            data.set_(full.untyped_storage(), full.storage_offset(), (self.shard_numel,))
+            return data, True
+        return torch.empty(self.flat_param.shape, dtype=self.grad_dtype, device=self._grad_device()), False
+
+    def _return_borrowed(self, reduction: "_Reduction") -> None:
+        """Give a placeholder that borrows its reduction's full gradient storage of its own
+        (see [Note: a borrowed placeholder]): untouched, new storage; changed, a copy."""
+        if not reduction.borrowed or reduction.placeholder is None:
+            return
+        reduction.borrowed = False
+        placeholder = reduction.placeholder[0]
+        data = placeholder.data
+        placeholder.data = torch.empty_like(data) if reduction.is_placeholder(placeholder) else data.clone()
 
     def _grad_device(self) -> torch.device:
         return torch.device("cpu") if self.offload else self.flat_param.device
@@ -182,6 +217,7 @@ class HandleGrads:
             return True
         if self._replicates() and reduction.replicated is None:
             reduction.pending.wait()
+            self._return_borrowed(reduction)
             reduction.full = None  # (the reduce-scatter no longer reads it)
             reduction.replicated = self.replicate.all_reduce_mean(reduction.reduced, async_op=True)  # type: ignore[union-attr]
             return False
@@ -205,10 +241,12 @@ class HandleGrads:
             self.settle_grad_copy()  # (the host adds to it now)
         if grad is not None and reduction.is_placeholder(grad):
             grad.data = shard_grad  # (keeps a keep_low_precision_grads .grad's dtype)
+            reduction.borrowed = False
         elif grad is None:
             self._set_new_grad(shard_grad)
         else:
             grad.add_(shard_grad)
+        self._return_borrowed(reduction)
         if self.orig is not None:
             self.orig.give_grads(self.flat_param.grad)
 
@@ -260,6 +298,7 @@ class HandleGrads:
             reduction.pending.drain()
             if reduction.replicated is not None:
                 reduction.replicated.drain()
+            self._return_borrowed(reduction)
             grad = self.flat_param.grad
             if grad is not None and reduction.is_placeholder(grad):
                 grad.zero_()
@@ -433,6 +472,8 @@ class _Reduction:
     full: Optional[torch.Tensor]
     placeholder: Optional[Tuple[torch.Tensor, int]]
     replicated: Optional[Pending] = None
+    # Whether the placeholder's storage is the full gradient's ([Note: a borrowed placeholder]).
+    borrowed: bool = False
 
     def is_placeholder(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is the untouched placeholder."""
