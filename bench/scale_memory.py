@@ -83,8 +83,11 @@ def _child(impl: str, model: str, world: int, rank: int, batch: int, seq: int) -
             optim.step()
         with timeline.phase("zero_grad"):
             optim.zero_grad(set_to_none=True)
-    shards = sum(p.numel() * p.element_size() for p in wrapped.parameters())
-    state = sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    def local(t: Any) -> Any:  # (FSDP2's are DTensors: this rank's part)
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    shards = sum(local(p).numel() * p.element_size() for p in wrapped.parameters())
+    state = sum(local(t).numel() * t.element_size() for s in optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     phases = {name: vars(m) for name, m in timeline.phases.items()}
     return {"phases": phases, "shards": shards, "optimizer_state": state, "planned": dict(planned.memory())}
 

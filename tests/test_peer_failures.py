@@ -63,11 +63,12 @@ def _model(group: Any) -> ShardedDataParallel:
     return ShardedDataParallel(net, process_group=group)
 
 
-def _one_rank_fails(rank: int, world_size: int, phase: str, shared: bool) -> Dict[str, Any]:
+def _one_rank_fails(rank: int, world_size: int, phase: str, shared: bool, overlap: bool = True) -> Dict[str, Any]:
     """The last rank's ``phase`` raises at step 2; it catches the error and goes on."""
     with mock.patch.dict(os.environ, {ENV_SWITCH: "1" if shared else "0"}):
         group = dist.new_group(timeout=GROUP_TIMEOUT)
         model = _model(group)
+        model.set_communication_overlap(overlap)
         optim = make_optim(model.parameters())
         failing = rank == world_size - 1
         tripwire = model.blocks[1].module
@@ -193,8 +194,8 @@ def _run_dying(world_size: int) -> Dict[int, Any]:
 
 
 class PeerFailureTest(TestCase):
-    def _check(self, world_size: int, phase: str, shared: bool = False) -> List[Dict[str, Any]]:
-        outcomes = self.pool.run(_one_rank_fails, world_size, phase, shared, timeout=120)
+    def _check(self, world_size: int, phase: str, shared: bool = False, overlap: bool = True) -> List[Dict[str, Any]]:
+        outcomes = self.pool.run(_one_rank_fails, world_size, phase, shared, overlap, timeout=120)
         failing = world_size - 1
         for rank, outcome in enumerate(outcomes):
             self.assertIsNotNone(outcome["error"], f"rank {rank} trained on")
@@ -204,9 +205,13 @@ class PeerFailureTest(TestCase):
         return outcomes
 
     def test_forward_raises_on_one_rank_two_ranks_shared_memory(self) -> None:
-        outcomes = self._check(2, "forward", shared=True)
+        # without overlap rank 0 waits in the next unit's gather, through shared memory; with
+        # it that gather was prefetched on both ranks and rank 0 waits at the end of the forward
+        outcomes = self._check(2, "forward", shared=True, overlap=False)
         self.assertIn("rank 1 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 2", outcomes[0]["error"])
         self.assertIn("through shared memory", outcomes[0]["error"])
+        outcomes = self._check(2, "forward", shared=True)
+        self.assertIn("rank 1 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 2, while rank 0 waited in an agreement check", outcomes[0]["error"])
 
     def test_forward_raises_on_one_rank_gloo(self) -> None:
         for world_size in (2, 3, 4):

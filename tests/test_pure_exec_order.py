@@ -60,10 +60,15 @@ class ForwardOrderTest(TestCase):
     def test_next_in_forward(self):
         order = ExecOrder()
         run_forward(order, ["root", "a", "b", "a", "c"], first=True)
+        order.start_forward()  # (a later forward, before any unit of it ran)
         self.assertEqual(
             [order.next_in_forward(u) for u in ("root", "a", "b", "c", "unknown")],
             ["a", "b", "c", None, None],
         )
+        # a unit that already ran in this forward is no prefetch target
+        order.record_pre_forward("root")
+        order.record_pre_forward("b")
+        self.assertEqual([order.next_in_forward(u) for u in ("root", "a", "b")], ["a", None, "c"])
 
 
 class BackwardOrderTest(TestCase):
@@ -109,6 +114,7 @@ class BackwardOrderTest(TestCase):
         order.record_post_forward("b")
         order.record_post_forward("a")
         order.end_iteration()
+        order.start_forward()
         self.assertEqual(order.first_forward(), ["root", "a", "b"])
         self.assertEqual(order.next_in_forward("a"), "b")
 
