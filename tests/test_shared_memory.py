@@ -191,12 +191,13 @@ class _Blocks(nn.Module):
         return x
 
 
-def _diverge(rank: int, world_size: int) -> str:
+def _diverge(rank: int, world_size: int, overlap: bool = True) -> str:
     """Rank 1 skips the second block in the third step."""
     net = _Blocks()
     for i, block in enumerate(net.blocks):
         net.blocks[i] = ShardedDataParallel(block)
     model = ShardedDataParallel(net)
+    model.set_communication_overlap(overlap)
     try:
         for step in range(3):
             model(torch.ones(2, 8), skip=1 if step == 2 and rank == 1 else -1).sum().backward()
@@ -338,9 +339,14 @@ class SharedMemoryExchangeTest(TestCase):
 
     def test_ranks_that_run_different_units_after_the_first_step_both_raise_naming_them(self) -> None:
         # (the first step's order checks would catch this; later, gloo would silently swap
-        # the chunks of two units of the same size)
-        for rank, got in enumerate(self.pool.run(_diverge, 2)):
+        # the chunks of two units of the same size). Without overlap, the exchange's labels
+        # differ at the first gather that differs:
+        for rank, got in enumerate(self.pool.run(_diverge, 2, False)):
             self.assertRegex(got, rf"^\[rank {rank}\] the ranks disagree on collective #\d+ of this model \(every rank must run the same units in the same order, e.g. no data-dependent skipping\): rank 0 issued an all-gather of unit 'blocks.1' \(144 bytes of torch.float32\); rank 1 an all-gather of unit 'blocks.2' \(144 bytes of torch.float32\)$")
+        # with overlap both ranks prefetched the same units (by the recorded order), and the
+        # check at the end of the forward names the difference
+        for rank, got in enumerate(self.pool.run(_diverge, 2)):
+            self.assertEqual(got, f"[rank {rank}] the ranks ran different units (every rank must run the same units in the same order, e.g. no data-dependent skipping): unit #1 of this forward differs: rank 0 ran 'blocks.1'; rank 1 ran 'blocks.2'")
 
     def test_a_peer_that_leaves_is_an_error_at_once(self) -> None:
         got = self.pool.run(_peer_leaves, 2, timeout=60)
