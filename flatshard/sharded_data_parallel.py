@@ -94,7 +94,8 @@ class ShardedDataParallel(nn.Module):
         sync_module_states: broadcast the first rank's parameters and buffers before
             sharding, so ranks may start from different initial values.
         forward_prefetch: issue the next unit's all-gather (by the first iteration's order)
-            before this unit's forward computes.
+            before this unit's forward computes; with communication overlap on (the default,
+            ``set_communication_overlap``) that happens anyway.
         limit_all_gathers: bound the units gathered ahead of their use (by prefetches) to two.
         use_orig_params: keep the model's own ``nn.Parameter``s registered under their names
             (as views of this rank's shard outside compute), so that an optimizer can be built
