@@ -30,6 +30,9 @@ from tests._models import DIM, Block, batch, lm_loss, local, make_optim, build
 
 BOUND_S = 10.0
 GROUP_TIMEOUT = timedelta(seconds=20)
+# Every world size and path with FLATSHARD_PEER_FAILURES_ALL=1 (the suite's time: each case
+# trains four steps on every rank); the suite runs the smallest and the largest.
+ALL = bool(os.environ.get("FLATSHARD_PEER_FAILURES_ALL"))
 
 
 class Tripwire(Block):
@@ -214,7 +217,7 @@ class PeerFailureTest(TestCase):
         self.assertIn("rank 1 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 2, while rank 0 waited in an agreement check", outcomes[0]["error"])
 
     def test_forward_raises_on_one_rank_gloo(self) -> None:
-        for world_size in (2, 3, 4):
+        for world_size in (2, 3, 4) if ALL else (2, 4):
             with self.subTest(world_size=world_size):
                 outcomes = self._check(world_size, "forward")
                 for rank in range(world_size - 1):
@@ -222,7 +225,7 @@ class PeerFailureTest(TestCase):
                 self.assertIn("the ranks cannot go on together", outcomes[-1]["error"])
 
     def test_backward_raises_on_one_rank(self) -> None:
-        for world_size, shared in ((2, True), (2, False), (4, False)):
+        for world_size, shared in ((2, True), (2, False), (4, False)) if ALL else ((2, True), (4, False)):
             with self.subTest(world_size=world_size, shared=shared):
                 outcomes = self._check(world_size, "backward", shared)
                 self.assertIn(f"rank {world_size - 1}'s backward of step 2 raised", outcomes[0]["error"])
