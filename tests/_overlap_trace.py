@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -69,23 +69,34 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _record(log: List[Dict[str, Any]], matmuls: _Matmuls, phase: List[str]) -> Callable[[], None]:
-    """Log every data collective's issue and first wait (patches ``Pending`` of this process);
-    returns what undoes the patches."""
+class _Issued:
+    """The model's tracer (``Unit.set_trace``): the kind of each collective issued, ``None``
+    for an agreement check, until the ``Pending`` made for it takes it."""
+
+    def __init__(self) -> None:
+        self.kinds: List[Optional[str]] = []
+
+    def event(self, kind: str, label: str) -> None:
+        pass
+
+    def collective(self, event: Any) -> None:
+        self.kinds.append(None if event.check else event.kind)
+
+
+def _record(model: Any, log: List[Dict[str, Any]], matmuls: _Matmuls, phase: List[str]) -> Callable[[], None]:
+    """Log every data collective of ``model``'s root: its issue (the model's tracer) and its
+    first wait (patches ``Pending`` of this process); returns what undoes the patches."""
     from flatshard._comm import _collectives
-    from flatshard._comm._collectives import Communicator, Pending
+    from flatshard._comm._collectives import Pending
 
-    observe, init, drain = Communicator._note, Pending.__init__, Pending.drain
-    issued: List[Any] = []
-
-    def note(comm: Communicator, kind: str, op: str, nbytes: int, check: bool = False) -> None:
-        issued.append(None if check else kind)
-        observe(comm, kind, op, nbytes, check)
+    init, drain = Pending.__init__, Pending.drain
+    issued = _Issued()
+    model._unit.set_trace(issued)
 
     def made(pending: Pending, work: Any, *args: Any, **kwargs: Any) -> None:
         init(pending, work, *args, **kwargs)
-        kind = issued.pop() if issued else None
-        issued.clear()
+        kind = issued.kinds.pop() if issued.kinds else None
+        issued.kinds.clear()
         if work is not None and kind is not None:
             entry = {"kind": kind, "phase": phase[0], "issued": matmuls.count, "waited": None}
             log.append(entry)
@@ -97,12 +108,11 @@ def _record(log: List[Dict[str, Any]], matmuls: _Matmuls, phase: List[str]) -> C
             entry["waited"] = matmuls.count
         drain(pending)
 
-    Communicator._note = note  # type: ignore[method-assign]
     _collectives.Pending.__init__ = made  # type: ignore[method-assign]
     _collectives.Pending.drain = drained  # type: ignore[method-assign]
 
     def undo() -> None:
-        Communicator._note = observe  # type: ignore[method-assign]
+        model._unit.set_trace(None)
         _collectives.Pending.__init__ = init  # type: ignore[method-assign]
         _collectives.Pending.drain = drain  # type: ignore[method-assign]
 
@@ -126,7 +136,7 @@ def trace(strategy: str, overlap: bool = True, embedding: bool = False) -> str:
     log: List[Dict[str, Any]] = []
     phase = ["forward"]
     matmuls = _Matmuls()
-    undo = _record(log, matmuls, phase)
+    undo = _record(model, log, matmuls, phase)
     try:
         for _ in range(3):
             del log[:]

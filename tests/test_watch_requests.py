@@ -8,8 +8,10 @@ watch was made as before.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, List, Tuple
 
 import pytest
@@ -19,29 +21,21 @@ from flatshard import PeerFailedError
 from flatshard._comm._peer_failures import StepWatch
 
 
-class CountingStore:
+def _bench() -> Any:
+    """``bench/host_checks.py``, whose ``CountingStore`` the tests count with too."""
+    spec = importlib.util.spec_from_file_location("host_checks_bench", Path(__file__).resolve().parents[1] / "bench" / "host_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _counting_store() -> Any:
     """A ``torch.distributed.HashStore`` that counts the requests made of it (what one
     TCPStore would serve)."""
+    return _BENCH.CountingStore(dist.HashStore())
 
-    def __init__(self) -> None:
-        self.inner = dist.HashStore()
-        self.requests = 0
 
-    def _count(self, name: str, *args: Any) -> Any:
-        self.requests += 1
-        return getattr(self.inner, name)(*args)
-
-    def set(self, key: str, value: Any) -> None:
-        self._count("set", key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._count("get", key)
-
-    def check(self, keys: List[str]) -> bool:
-        return self._count("check", keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._count("add", key, amount)
+_BENCH = _bench()
 
 
 def _watch(store: Any, rank: int, world: int, number: int = 1) -> StepWatch:
@@ -54,7 +48,7 @@ def _watch(store: Any, rank: int, world: int, number: int = 1) -> StepWatch:
 def _requests_per_slice(world: int, slices: int = 5) -> Tuple[int, List[int]]:
     """The store requests of rank 0's first look at its peers, then of each later slice, at
     ``world`` ranks while nothing fails."""
-    store = CountingStore()
+    store = _counting_store()
     watch = _watch(store, 0, world)
     store.requests = 0
     watch.look(time.monotonic(), "an all-gather")
@@ -79,7 +73,7 @@ class _Slow:
     """A gloo ``Work`` of a peer that is slow: every slice runs out; at slice ``leave_at``,
     ``leave`` is called (a peer leaves the call while this rank waits)."""
 
-    def __init__(self, leave_at: int, leave: Any, store: CountingStore) -> None:
+    def __init__(self, leave_at: int, leave: Any, store: Any) -> None:
         self.slices = 0
         self.leave_at = leave_at
         self.leave = leave
@@ -100,7 +94,7 @@ class _Slow:
 
 
 def test_a_peer_that_leaves_is_heard_at_the_next_slice_at_4096_ranks() -> None:
-    store = CountingStore()
+    store = _counting_store()
     waiter, leaver = _watch(store, 0, 4096), _watch(store, 4095, 4096)
     work = _Slow(4, lambda: leaver.announce("rank 4095 raised ValueError('tripwire') in the forward of unit 'blocks.1' of step 1"), store)
     with pytest.raises(PeerFailedError) as caught:
@@ -118,7 +112,7 @@ def test_records_already_in_a_reused_store_are_read_as_before() -> None:
     # an earlier object's call that every rank left alike: their records say CLEARED, and the
     # counter of changes has moved; a later object's watch reads them, hears nothing, and then
     # makes one request per slice
-    store = CountingStore()
+    store = _counting_store()
     earlier = [_watch(store, rank, 3) for rank in range(3)]
     for watch in earlier:
         watch.announce(f"rank {watch.rank} raised ValueError('alike')")
@@ -133,7 +127,7 @@ def test_records_already_in_a_reused_store_are_read_as_before() -> None:
 
 
 def test_a_stuck_peer_from_before_the_watch_is_heard_at_its_first_look() -> None:
-    store = CountingStore()
+    store = _counting_store()
     earlier = _watch(store, 1, 3)
     earlier._become_stuck("rank 1 could not go on: its collective failed")
     for _ in range(3):
@@ -146,7 +140,7 @@ def test_a_stuck_peer_from_before_the_watch_is_heard_at_its_first_look() -> None
 def test_an_unchanged_counter_keeps_a_verdict_that_depends_on_this_ranks_own_leaving() -> None:
     # rank 0 and rank 1 leave the same call: neither stops the other's wait; a later call that
     # rank 1 alone leaves does, although rank 0's verdict was cached at the same count
-    store = CountingStore()
+    store = _counting_store()
     a, b = _watch(store, 0, 2), _watch(store, 1, 2)
     a.announce("rank 0 raised ValueError('alike')")
     b.announce("rank 1 raised ValueError('alike')")

@@ -195,6 +195,12 @@ class RootRuntime(AgreementChecks, RootContext):
         """Whether communication overlaps compute ([Note: overlap]); the root's setting."""
         return self.root.overlap_communication
 
+    def _full_grad_hook(self) -> Any:
+        """The hook that completes the reductions in flight before a unit assembles its full
+        gradient: only without overlap ([Note: reductions in flight]; it checks again when it
+        fires, in case the setting changed between the forward and the backward)."""
+        return None if self.overlap else self.on_full_grad
+
     def _make_hooks(self) -> None:
         """The callables registered with autograd, made once: opaque to dynamo if it is loaded
         (see ``_compile``); if it is loaded later, the next root forward makes them again and
@@ -365,7 +371,7 @@ class RootRuntime(AgreementChecks, RootContext):
             if target is not None and self._prefetch(target):
                 self.gathered_in_forward.add(target)
         for handle in unit.handles:  # waits for this unit's all-gather (the prefetch goes on)
-            handle.use_views(track_grad=torch.is_grad_enabled(), in_forward=True, before_full_grad=self.on_full_grad)
+            handle.use_views(track_grad=torch.is_grad_enabled(), in_forward=True, before_full_grad=self._full_grad_hook())
         if unit.frozen and torch.is_grad_enabled() and not recompute:
             self._hook_inputs_for_frozen_handles(unit, inputs)
 
@@ -504,7 +510,7 @@ class RootRuntime(AgreementChecks, RootContext):
         for handle in needed:
             # Views back on the modules, under autograd, for code that re-runs forward pieces
             # in backward (activation checkpointing) and reads the parameters from the modules.
-            handle.use_views(track_grad=True, before_full_grad=self.on_full_grad)
+            handle.use_views(track_grad=True, before_full_grad=self._full_grad_hook())
 
     def _refuse_changed_views(self, unit: Unit) -> None:
         """A unit kept gathered from its forward computes its backward with the views of that
