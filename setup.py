@@ -13,6 +13,10 @@ EXTRAS_REQUIRE = {
     # to cross-check flatshard's own reader against the package's files
     # (tests/test_pure_checkpoint_readers.py); load_pretrained does not need it.
     "hf": ["transformers>=5.0", "safetensors"],
+    # The framework flows (tests/test_framework_*.py, docs/frameworks.md): Hugging Face
+    # accelerate and Trainer, and Lightning, building flatshard's wrapper after
+    # flatshard.patch_torch_fsdp(). None of them pins torch, so the build installed stays.
+    "frameworks": ["transformers>=5.0", "accelerate>=1.0", "lightning>=2.4"],
     # The benchmark's DeepSpeed ZeRO-3 row (bench/bench.py --variants ...,deepspeed). DeepSpeed
     # requires torch unpinned, so the torch build already installed stays.
     "deepspeed": ["deepspeed>=0.19"],

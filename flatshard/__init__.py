@@ -41,6 +41,8 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
+from . import frameworks
+from .frameworks import TorchFSDPPatch, patch_torch_fsdp
 from . import pretrained, run_checkpoints, state_dict, teardown
 from .pretrained import IncompatibleKeys, empty_init, load_pretrained
 from .run_checkpoints import Resumed, RunCheckpoints, SkippedCheckpointWarning
@@ -81,6 +83,9 @@ __all__ = [
     "FlatParameter",
     "FlatParamHandle",
     "ShardedGradScaler",
+    "frameworks",
+    "patch_torch_fsdp",
+    "TorchFSDPPatch",
     "plan",
     "Plan",
     "always_wrap_policy",

@@ -14,7 +14,7 @@ from ._base._compile import dynamo_loaded
 from ._comm._collectives import ProcessGroup
 from ._base._common import WRAPPED_MODULE, TrainingState, clean_name, display_name
 from ._engine._deepcopy import copy_model
-from ._base._fsdp_markers import mark_fsdp_managed
+from ._base._fsdp_markers import check_not_rewrapped, mark_fsdp_managed
 from ._engine._generate import generate_gathered
 from ._build._init import build_unit, construction_guard
 from ._comm._guard import Guard
@@ -23,6 +23,7 @@ from ._build._node_groups import NodeGroups
 from ._base._options import ConstructionOptions
 from ._build._planning import make_plan, unit_options
 from ._engine._forward import run_forward
+from ._engine._fsdp1_surface import FSDP1Surface, show_forward_signature
 from ._engine._runtime import no_sync
 from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._checkpoint._optim_dicts import (
@@ -58,7 +59,7 @@ from ._flat._flat_param import FlatParamHandle, OrigParam
 __all__ = ["ShardedDataParallel"]
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(FSDP1Surface):
     """Shards a module's parameters, gradients and optimizer state over the ranks.
 
     The parameters of ``module`` that no nested ``ShardedDataParallel`` owns are flattened
@@ -141,6 +142,7 @@ class ShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._state_dict_route = route_state_dict(self, module)  # see [Note: the wrapped module's state dict]
         mark_fsdp_managed(self, options.use_orig_params)  # see [Note: FSDP markers]
+        show_forward_signature(self, module)  # see [Note: the forward signature]
         # Optimizers built before wrapping fail at their first step (see [Note: stale optimizers]).
         self._stale_optimizer_check: Optional[StaleOptimizerCheck] = watch_stale_optimizers(self, self._unit)
 
@@ -154,6 +156,7 @@ class ShardedDataParallel(nn.Module):
         wrapper._fsdp_wrapped_module = module
         wrapper._state_dict_route = route_state_dict(wrapper, module)
         wrapper._stale_optimizer_check = None  # the root being built covers this unit
+        show_forward_signature(wrapper, module)
         return wrapper
 
     def __deepcopy__(self, memo: Dict[Any, Any]) -> "ShardedDataParallel":
@@ -260,6 +263,8 @@ class ShardedDataParallel(nn.Module):
         # (not torch.compiler.is_compiling(): after a graph break, dynamo runs the rest of this
         # frame eagerly and compiles each frame it calls, the runtime's too)
         dynamo = dynamo_loaded()
+        if unit.ctx is None and unit.parent is None:  # (the root's first forward)
+            check_not_rewrapped(self)  # see [Note: a second FSDP]
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             summoned = torch.compiler.disable(forward_while_summoned) if dynamo else forward_while_summoned
             return summoned(unit, module, args, kwargs)

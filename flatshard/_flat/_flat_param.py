@@ -40,8 +40,23 @@ class FlatParameter(nn.Parameter):
     all of them under ``NO_SHARD``. Its :class:`FlatParamHandle` knows the layout.
     """
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
-        return super().__new__(cls, data, requires_grad)  # type: ignore[call-arg]
+    # [Note: FSDP1's names on a FlatParameter] Code written for FSDP1 reads two attributes of
+    # its FlatParameter: ``_fsdp_flattened`` (Lightning's check that an optimizer holds FSDP
+    # parameters; torch's FSDP1 skips such parameters when it flattens) and ``_fqns`` (the
+    # names of the original parameters it holds, relative to the wrapped module, as accelerate
+    # logs them). Both have FSDP1's meaning here; see docs/migrating.md.
+    _fsdp_flattened = True
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, fqns: Sequence[str] = ()) -> "FlatParameter":
+        param = super().__new__(cls, data, requires_grad)  # type: ignore[call-arg]
+        param._fqns = tuple(fqns)
+        return param
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "FlatParameter":
+        # (nn.Parameter's copy would drop _fqns)
+        copied = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad, self._fqns)
+        memo[id(self)] = copied
+        return copied
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,8 @@ class FlatParamHandle(HandleGrads):
         # The parameters' user-facing names (from the root once it is known: set_name_prefix).
         self._names = [info.name for info in self.param_infos]
         self.attr_name = attr_name
+        # The FlatParameter's ``_fqns`` (FSDP1's): its parameters' names relative to ``owner``.
+        self.fqns = tuple(clean_name(info.name) for info in self.param_infos)
         self.flat_param, self._full = self._make_tensors([p.param for p in primaries], requires_grad, sync_from_first_rank)
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
@@ -293,16 +310,39 @@ class FlatParamHandle(HandleGrads):
                 self.replicate.broadcast_from_first(full)
             self.comm.broadcast_from_first(full)
         if not self.sharded:
-            flat_param = FlatParameter(full, requires_grad)
+            flat_param = FlatParameter(full, requires_grad, self.fqns)
             if not self.separate_full:
                 return flat_param, flat_param
             return flat_param, full.to(self.compute_dtype, copy=True).requires_grad_(requires_grad)
         start = self.rank * self.shard_numel
         shard = full[start : start + self.shard_numel]
-        flat_param = FlatParameter(to_host(shard) if self.offload else shard.clone(), requires_grad)
+        flat_param = FlatParameter(to_host(shard) if self.offload else shard.clone(), requires_grad, self.fqns)
         return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
 
     # -- layout -------------------------------------------------------------------------
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """FSDP1's name for the original parameters' dtype (the ``FlatParameter``'s)."""
+        return self.dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
+        # accelerate upcasts a low-precision model under mixed precision by rebinding the
+        # FlatParameter's .data to float32 and then writing this; the handle adopts the cast
+        # (see [Note: casting a built unit]).
+        if dtype == self.dtype:
+            return
+        shard = self.flat_param.detach()
+        if shard.dtype != dtype:
+            raise ValueError(
+                f"[rank {self.rank}] _orig_param_dtype = {dtype} for the FlatParameter of {self.describe()}: its .data "
+                f"is {shard.dtype}; rebind the FlatParameter's .data to {dtype} first (as accelerate does)"
+            )
+        with torch.no_grad():
+            self.flat_param.data = shard.to(self.dtype)  # (exactly: the cast is from this dtype)
+        grad = self.flat_param.grad
+        self.adopt_cast(shard, None if grad is None else grad.to(dtype))
 
     @property
     def requires_grad(self) -> bool:

@@ -1,0 +1,92 @@
+"""The private attributes of torch's FSDP1 wrapper that training frameworks read, given FSDP1's
+meaning on flatshard's wrapper (``FSDP1Surface``), and the wrapped module's ``forward``
+signature shown on the wrapper's (``show_forward_signature``).
+
+[Note: FSDP1's private surface] Hugging Face accelerate (and through it Trainer) and Lightning
+build torch's FSDP1 and then read a few of its private attributes. After
+``flatshard.patch_torch_fsdp()`` they build flatshard's wrapper instead and read the same
+names, which must not fall through to the wrapped module (``ShardedDataParallel.__getattr__``
+forwards unknown names there, so ``_has_params`` would name the user's model in an
+AttributeError). Each name here has FSDP1's meaning; docs/migrating.md lists them with the
+framework and the line that reads them. FSDP1 has one FlatParameter per wrapper; a flatshard
+unit has one per dtype and ``requires_grad`` value, so ``_flat_param`` and ``_handle`` of a
+unit with several raise and say why, rather than give one of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any, Optional
+
+from torch import nn
+
+from .._base._common import display_name
+from .._base._fsdp_markers import refuse_marker_write
+from .._flat._flat_param import FlatParameter, FlatParamHandle
+from ._unit import Unit
+
+__all__ = ["FSDP1Surface", "show_forward_signature"]
+
+
+class FSDP1Surface(nn.Module):
+    """FSDP1's private attributes that frameworks read (see [Note: FSDP1's private surface]).
+    A base of ``ShardedDataParallel``, which sets ``_unit``."""
+
+    _unit: Unit
+
+    @property
+    def _has_params(self) -> bool:
+        """Whether this unit owns parameters (FSDP1: whether it has a FlatParameter)."""
+        return bool(self._unit.handles)
+
+    @property
+    def _handle(self) -> Optional[FlatParamHandle]:
+        """This unit's ``FlatParamHandle`` (``None`` without parameters), as FSDP1's."""
+        return _only_handle(self._unit, "_handle")
+
+    @property
+    def _flat_param(self) -> Optional[FlatParameter]:
+        """This unit's ``FlatParameter`` (``None`` without parameters), as FSDP1's."""
+        handle = _only_handle(self._unit, "_flat_param")
+        return None if handle is None else handle.flat_param
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        refuse_marker_write(self, name, value)  # see [Note: a second FSDP]
+        super().__setattr__(name, value)
+
+
+def _only_handle(unit: Unit, attribute: str) -> Optional[FlatParamHandle]:
+    handles = unit.handles
+    if len(handles) > 1:
+        kinds = ", ".join(f"{h.dtype} requires_grad={h.requires_grad}" for h in handles)
+        raise ValueError(
+            f"{attribute} of unit {display_name(unit.name)}: FSDP1 has one FlatParameter per wrapper, this unit has "
+            f"{len(handles)} ({kinds}), one per dtype and requires_grad value, so there is no single one to give. "
+            f"Use .handles; code written for FSDP1 that reads {attribute} (accelerate's prepare_model under mixed "
+            f"precision) needs each unit's parameters to share dtype and requires_grad"
+        )
+    return handles[0] if handles else None
+
+
+def show_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
+    """Make ``inspect.signature(wrapper.forward)`` the wrapped module's ``forward`` signature.
+
+    [Note: the forward signature] Hugging Face Trainer keeps only the dataset columns that
+    ``model.forward``'s signature names; the wrapper's ``forward(*args, **kwargs)`` names none,
+    so every column was dropped. ``inspect.signature`` of a bound method reads its function's
+    ``__signature__``, which the class's method cannot have per instance; so the wrapper gets,
+    in its own ``__dict__``, a bound method of a copy of the class's ``forward`` function (the
+    same code, run the same way) carrying the wrapped module's signature. ``nn.Module.__call__``
+    finds it through the instance as it would find the class's method."""
+    function = type(wrapper).forward
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # (a builtin or C forward: keep the wrapper's)
+        return
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)] + list(signature.parameters.values())
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__)
+    copy.__qualname__ = function.__qualname__
+    copy.__doc__ = module.forward.__doc__ or function.__doc__
+    copy.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__dict__["forward"] = types.MethodType(copy, wrapper)

@@ -1,0 +1,127 @@
+"""``patch_torch_fsdp()``: training frameworks that build torch's FSDP1 build flatshard's.
+
+Hugging Face accelerate (and Trainer through it) and Lightning construct
+``torch.distributed.fsdp.FullyShardedDataParallel`` themselves and test models with
+``isinstance`` against it. After ``flatshard.patch_torch_fsdp()`` that name is flatshard's
+``FullyShardedDataParallel``; see docs/frameworks.md for each framework's recipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType, TracebackType
+from typing import List, Optional, Tuple, Type
+
+from .sharded_data_parallel import ShardedDataParallel
+
+__all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
+
+# The two public import paths of torch's FSDP1 class.
+_TORCH_PATHS = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
+_CLASS_NAME = "FullyShardedDataParallel"
+
+
+class TorchFSDPPatch:
+    """What one ``patch_torch_fsdp()`` call replaced; undone by ``undo()`` or at the end of a
+    ``with`` block. A call that found torch already patched replaced nothing, and its ``undo``
+    leaves the patch in place (the outermost one undoes it).
+
+    Attributes:
+        replaced: each name replaced, as ``"module.attribute"``, in the order replaced.
+    """
+
+    def __init__(self, torch_class: Optional[type], replaced: List[Tuple[ModuleType, str]]) -> None:
+        self._torch_class = torch_class
+        self._replaced = replaced
+        self._undone = False
+
+    @property
+    def replaced(self) -> List[str]:
+        return [f"{module.__name__}.{name}" for module, name in self._replaced]
+
+    @property
+    def active(self) -> bool:
+        """Whether this call's replacements are in place."""
+        return bool(self._replaced) and not self._undone
+
+    def undo(self) -> None:
+        """Put torch's class back under every name this call replaced (a no-op the second
+        time, and for a call that replaced nothing). A name rebound since, by someone else, is
+        left as it is."""
+        if self._undone:
+            return
+        self._undone = True
+        for module, name in reversed(self._replaced):
+            if module.__dict__.get(name) is ShardedDataParallel:
+                setattr(module, name, self._torch_class)
+
+    def __enter__(self) -> "TorchFSDPPatch":
+        return self
+
+    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else ("undone" if self._undone else "found torch patched already")
+        return f"TorchFSDPPatch({state}, replaced={self.replaced})"
+
+
+def patch_torch_fsdp() -> TorchFSDPPatch:
+    """Make torch's FSDP1 class flatshard's, so that frameworks that build
+    ``torch.distributed.fsdp.FullyShardedDataParallel`` (Hugging Face accelerate and Trainer,
+    Lightning's ``FSDPStrategy``) build and recognise flatshard's wrapper.
+
+    Call it once, on every rank, before the framework wraps the model (before
+    ``accelerator.prepare``, ``Trainer(...)``, ``trainer.fit``). It replaces exactly these
+    names with ``flatshard.FullyShardedDataParallel``:
+
+    - ``torch.distributed.fsdp.FullyShardedDataParallel``;
+    - ``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel``;
+    - in modules outside torch imported before the call, any module-level name bound to
+      torch's class (a framework that ran ``from torch.distributed.fsdp import
+      FullyShardedDataParallel as FSDP`` at import time); ``replaced`` lists them.
+
+    Nothing else in torch changes: torch's own modules keep their references to torch's class
+    (FSDP2's ``fully_shard`` is not replaced), and flatshard's configuration classes accept
+    torch's (``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, ...).
+
+    It is idempotent: a second call while torch is patched replaces nothing. The patch is
+    undone by ``undo()`` on the returned object, or by using the call as a context manager::
+
+        with flatshard.patch_torch_fsdp():
+            trainer.fit(model)
+
+    Returns:
+        A ``TorchFSDPPatch`` listing what was replaced.
+    """
+    fsdp = importlib.import_module(_TORCH_PATHS[0])
+    current = getattr(fsdp, _CLASS_NAME)
+    if current is ShardedDataParallel:
+        return TorchFSDPPatch(None, [])
+    torch_class = importlib.import_module(_TORCH_PATHS[1]).__dict__[_CLASS_NAME]
+    replaced: List[Tuple[ModuleType, str]] = []
+    for path in _TORCH_PATHS:
+        module = importlib.import_module(path)
+        if module.__dict__.get(_CLASS_NAME) is torch_class:
+            setattr(module, _CLASS_NAME, ShardedDataParallel)
+            replaced.append((module, _CLASS_NAME))
+    for module in _modules_outside_torch():
+        for name, value in list(vars(module).items()):
+            if value is torch_class:
+                setattr(module, name, ShardedDataParallel)
+                replaced.append((module, name))
+    return TorchFSDPPatch(torch_class, replaced)
+
+
+def _modules_outside_torch() -> List[ModuleType]:
+    """Imported modules (a snapshot) outside torch and flatshard."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        if top in ("torch", "flatshard") or not isinstance(module, ModuleType):
+            continue
+        if isinstance(getattr(module, "__dict__", None), dict):
+            found.append(module)
+    return found
+
