@@ -42,7 +42,7 @@ from .plan import Plan
 from .sharded_data_parallel import ShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
 from . import frameworks
-from .frameworks import TorchFSDPPatch, patch_torch_fsdp
+from .frameworks import RewrapError, TorchFSDPPatch, patch_torch_fsdp
 from . import pretrained, run_checkpoints, state_dict, teardown
 from .pretrained import IncompatibleKeys, empty_init, load_pretrained
 from .run_checkpoints import Resumed, RunCheckpoints, SkippedCheckpointWarning
@@ -86,6 +86,7 @@ __all__ = [
     "frameworks",
     "patch_torch_fsdp",
     "TorchFSDPPatch",
+    "RewrapError",
     "plan",
     "Plan",
     "always_wrap_policy",

@@ -13,9 +13,10 @@ import sys
 from types import ModuleType, TracebackType
 from typing import List, Optional, Tuple, Type
 
+from ._base._fsdp_markers import RewrapError
 from .sharded_data_parallel import ShardedDataParallel
 
-__all__ = ["TorchFSDPPatch", "patch_torch_fsdp"]
+__all__ = ["RewrapError", "TorchFSDPPatch", "patch_torch_fsdp"]
 
 # The two public import paths of torch's FSDP1 class.
 _TORCH_PATHS = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")

@@ -80,7 +80,9 @@ class _RefusingStates(dict):  # type: ignore[type-arg]
         if name in _REFUSED_COMPOSABLE:
             raise RewrapError(
                 f"torch's {name}() was applied to {self._where}, which flatshard already shards: a model "
-                f"must not be sharded twice. {_SECOND_WRAP_FIX}"
+                f"must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the "
+                f"framework (Trainer: fsdp_config={{'version': 1}}; accelerate: fsdp_version=1) and call "
+                f"flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model"
             )
         return super().setdefault(key, default)
 

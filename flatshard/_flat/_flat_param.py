@@ -336,7 +336,7 @@ class FlatParamHandle(HandleGrads):
         shard = self.flat_param.detach()
         if shard.dtype != dtype:
             raise ValueError(
-                f"[rank {self.rank}] _orig_param_dtype = {dtype} for the FlatParameter of {self.describe()}: its .data "
+                f"[rank {self.rank}] _orig_param_dtype = {dtype} for the FlatParameter ({self.describe()}): its .data "
                 f"is {shard.dtype}; rebind the FlatParameter's .data to {dtype} first (as accelerate does)"
             )
         with torch.no_grad():

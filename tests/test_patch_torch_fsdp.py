@@ -1,0 +1,214 @@
+"""``flatshard.patch_torch_fsdp()`` against the installed torch's public FSDP1 import paths, the
+FSDP1 private attributes frameworks read (docs/migrating.md), refusing a second FSDP, and the
+wrapped module's ``forward`` signature on the wrapper.
+
+Truth for training is single-process training of the unwrapped model (``tests/_models.py``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+import types
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp.fully_sharded_data_parallel as torch_fsdp_module
+from expecttest import TestCase
+
+import flatshard
+from flatshard import ShardedDataParallel
+from tests._models import Block, assert_same_training, build, error_text, train_reference, _train, full_params
+
+# (in a tuple: the patch rebinds module-level names bound to torch's class, this module's too)
+_TORCH = (torch_fsdp_module.__dict__["FullyShardedDataParallel"],)
+PATHS = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
+
+
+def _classes():
+    return [importlib.import_module(path).FullyShardedDataParallel for path in PATHS]
+
+
+class PatchTest(TestCase):
+    """The patch itself: pure (nothing is built)."""
+
+    def tearDown(self):
+        for path in PATHS:  # (whatever a failing test left)
+            importlib.import_module(path).FullyShardedDataParallel = _TORCH[0]
+
+    def test_replaces_the_public_paths_and_bindings_made_before(self):
+        early = types.ModuleType("framework_imported_before")
+        early.FSDP = _TORCH[0]
+        early.unrelated = torch.nn.Linear
+        sys.modules[early.__name__] = early
+        try:
+            patch = flatshard.patch_torch_fsdp()
+            self.assertEqual(_classes(), [ShardedDataParallel, ShardedDataParallel])
+            from torch.distributed.fsdp import FullyShardedDataParallel as imported_after
+
+            self.assertIs(imported_after, flatshard.FullyShardedDataParallel)
+            self.assertIs(early.FSDP, ShardedDataParallel)
+            self.assertIs(early.unrelated, torch.nn.Linear)
+            self.assertEqual(patch.replaced, [
+                "torch.distributed.fsdp.FullyShardedDataParallel",
+                "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+                "framework_imported_before.FSDP",
+            ])
+            # torch's own modules keep torch's class (its FSDP1 machinery and FSDP2 are not patched)
+            self.assertIs(importlib.import_module("torch.distributed.fsdp._init_utils").__dict__.get("FullyShardedDataParallel", _TORCH[0]), _TORCH[0])
+            patch.undo()
+            self.assertEqual(_classes(), [_TORCH[0], _TORCH[0]])
+            self.assertIs(early.FSDP, _TORCH[0])
+        finally:
+            del sys.modules[early.__name__]
+
+    def test_idempotent_undoable_and_a_context_manager(self):
+        with flatshard.patch_torch_fsdp() as outer:
+            inner = flatshard.patch_torch_fsdp()
+            self.assertEqual(inner.replaced, [])
+            self.assertEqual(repr(inner), "TorchFSDPPatch(found torch patched already, replaced=[])")
+            inner.undo()  # (the outermost patch undoes it)
+            self.assertEqual(_classes(), [ShardedDataParallel, ShardedDataParallel])
+            self.assertTrue(outer.active)
+        self.assertFalse(outer.active)
+        self.assertEqual(_classes(), [_TORCH[0], _TORCH[0]])
+        outer.undo()  # a no-op the second time
+        self.assertEqual(_classes(), [_TORCH[0], _TORCH[0]])
+
+    def test_undo_leaves_a_name_rebound_since(self):
+        patch = flatshard.patch_torch_fsdp()
+        mine = type("Mine", (), {})
+        torch_fsdp.FullyShardedDataParallel = mine
+        patch.undo()
+        self.assertIs(torch_fsdp.FullyShardedDataParallel, mine)
+        self.assertIs(torch_fsdp_module.FullyShardedDataParallel, _TORCH[0])
+
+
+def _framework_style_build(rank, world_size):
+    """What a framework does after the patch: torch's names, torch's configuration objects and
+    policy, ``isinstance`` against torch's name, ``FSDP.fsdp_modules``, the private attributes;
+    training equals one process."""
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    with flatshard.patch_torch_fsdp():
+        FSDP = torch_fsdp.FullyShardedDataParallel  # what the framework reads, at run time
+        model = FSDP(
+            build(),
+            sharding_strategy=torch_fsdp.ShardingStrategy.FULL_SHARD,
+            auto_wrap_policy=functools.partial(torch_wrap.transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_PRE,
+            mixed_precision=None,
+            cpu_offload=torch_fsdp.CPUOffload(offload_params=False),
+            limit_all_gathers=True,
+            use_orig_params=False,
+        )
+        units = FSDP.fsdp_modules(model)
+        facts = {
+            "isinstance": isinstance(model, FSDP),
+            "units": len(units),
+            "has_params": [u._has_params for u in units],
+            "fqns": list(units[1]._flat_param._fqns),
+            "flattened": all(getattr(p, "_fsdp_flattened", False) for p in model.parameters()),
+            "orig_dtype": str(units[0]._handle._orig_param_dtype),
+        }
+        losses = _train(model, world_size, 3, 1, rank)
+        with FSDP.state_dict_type(model, torch_fsdp.StateDictType.FULL_STATE_DICT, torch_fsdp.FullStateDictConfig(rank0_only=False)):
+            state = model.state_dict()
+    return facts, (losses, full_params(model)), sorted(state)[:2]
+
+
+def _upcast_like_accelerate(rank, world_size):
+    """accelerate's mixed-precision upcast of a model loaded in bf16: rebind the
+    FlatParameter's ``.data`` to float32, then write ``_handle._orig_param_dtype``. Training
+    then equals one process training the bf16 weights cast to float32."""
+    plain = build().to(torch.bfloat16).float()
+    model = ShardedDataParallel(build().to(torch.bfloat16), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    for unit in ShardedDataParallel.fsdp_modules(model):
+        param = unit._flat_param
+        if unit._has_params and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+            unit._handle._orig_param_dtype = torch.float32
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    losses = _train(model, world_size, 3, 1, rank)
+    plain_losses = _train(plain, world_size, 3, 1, None)
+    return dtypes, (losses, full_params(model)), (plain_losses, {n: p.detach().clone() for n, p in plain.named_parameters(remove_duplicate=False)})
+
+
+def _surface_errors(rank, world_size):
+    model = build(frozen_blocks=[0])
+    model.blocks[0].fc1.weight.requires_grad_(True)  # block 0: frozen and trainable parameters in one unit
+    wrapped = ShardedDataParallel(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True)
+    unit = wrapped.module.blocks[0]
+    messages = [error_text(lambda: unit._flat_param, ValueError), error_text(lambda: unit._handle, ValueError)]
+    handle = ShardedDataParallel.fsdp_modules(wrapped)[0]._handle
+    messages.append(error_text(lambda: setattr(handle, "_orig_param_dtype", torch.float64), ValueError))
+    return messages
+
+
+def _second_fsdp(rank, world_size):
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    model = ShardedDataParallel(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    messages = [
+        error_text(lambda: _TORCH[0](model, device_id=torch.device("cpu")), flatshard.frameworks.RewrapError),
+        error_text(lambda: _TORCH[0](torch.nn.Sequential(model), device_id=torch.device("cpu")), ValueError),
+        error_text(lambda: fully_shard(model.module.blocks[1].module.fc1), ValueError),
+        error_text(lambda: fully_shard(model), ValueError),
+    ]
+    checkpoint(model.module.blocks[0].module.fc2)  # other composable APIs are let through
+    # torch FSDP1 wrapping a module inside a unit on its own: the first forward refuses
+    inner = ShardedDataParallel(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    inner.module.blocks[0].module.norm.__dict__["_is_fsdp_managed_module"] = True  # (what torch's constructor writes)
+    messages.append(error_text(lambda: inner(torch.zeros(2, 4, dtype=torch.long)), ValueError))
+    return messages
+
+
+class FrameworkSurfaceTest(TestCase):
+    def test_a_framework_style_build_after_the_patch_trains_like_one_process(self):
+        results = self.pool.run(_framework_style_build, 2)
+        facts, trained, keys = results[0]
+        self.assertEqual(facts, {
+            "isinstance": True, "units": 4, "has_params": [True, True, True, True],
+            "fqns": ["norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"],
+            "flattened": True, "orig_dtype": "torch.float32",
+        })
+        assert_same_training(train_reference(2, steps=3), trained)
+        self.assertEqual(keys, ["blocks.0.fc1.bias", "blocks.0.fc1.weight"])
+
+    def test_accelerates_upcast_through_orig_param_dtype(self):
+        dtypes, trained, reference = self.pool.run(_upcast_like_accelerate, 2)[0]
+        self.assertEqual(dtypes, ["torch.float32"])
+        assert_same_training(reference, trained)
+
+    def test_a_unit_with_several_flat_parameters_says_why(self):
+        messages = self.pool.run(_surface_errors, 2)[0]
+        self.assertExpectedInline("\n".join(messages), """\
+_flat_param of unit 'blocks.0': FSDP1 has one FlatParameter per wrapper, this unit has 2 (torch.float32 requires_grad=False, torch.float32 requires_grad=True), one per dtype and requires_grad value, so there is no single one to give. Use .handles; code written for FSDP1 that reads _flat_param (accelerate's prepare_model under mixed precision) needs each unit's parameters to share dtype and requires_grad
+_handle of unit 'blocks.0': FSDP1 has one FlatParameter per wrapper, this unit has 2 (torch.float32 requires_grad=False, torch.float32 requires_grad=True), one per dtype and requires_grad value, so there is no single one to give. Use .handles; code written for FSDP1 that reads _handle (accelerate's prepare_model under mixed precision) needs each unit's parameters to share dtype and requires_grad
+[rank 0] _orig_param_dtype = torch.float64 for the FlatParameter (torch.float32, requires_grad=True: embed.weight (13, 8), norm.weight (8,), norm.bias (8,), head.weight = embed.weight): its .data is torch.float32; rebind the FlatParameter's .data to torch.float64 first (as accelerate does)""")
+
+    def test_a_second_fsdp_is_refused_naming_the_patch(self):
+        messages = self.pool.run(_second_fsdp, 2)[0]
+        self.assertExpectedInline("\n".join(messages), """\
+torch's FullyShardedDataParallel is wrapping a model that holds a flatshard ShardedDataParallel: a model must not be sharded twice. Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model
+torch's FullyShardedDataParallel is wrapping a model that holds a flatshard ShardedDataParallel: a model must not be sharded twice. Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model
+torch's fully_shard() was applied to 'blocks.1.fc1' (Linear), which flatshard already shards: a model must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the framework (Trainer: fsdp_config={'version': 1}; accelerate: fsdp_version=1) and call flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model
+torch's fully_shard() was applied to the model (ShardedDataParallel), which flatshard already shards: a model must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the framework (Trainer: fsdp_config={'version': 1}; accelerate: fsdp_version=1) and call flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model
+'blocks.0.norm' (LayerNorm), inside a flatshard model, was wrapped by another FSDP implementation (torch's FullyShardedDataParallel marked it): a model must not be sharded twice. Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model""")
+
+
+def _signatures(rank, world_size):
+    model = ShardedDataParallel(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    block = model.module.blocks[0]
+    wrapped_calls = model(torch.zeros(2, 4, dtype=torch.long)).shape
+    return [str(inspect.signature(model.forward)), str(inspect.signature(block.forward)), str(inspect.signature(ShardedDataParallel.forward)), tuple(wrapped_calls)]
+
+
+class ForwardSignatureTest(TestCase):
+    def test_the_wrappers_forward_shows_the_wrapped_modules_signature(self):
+        plain = [str(inspect.signature(build().forward)), str(inspect.signature(build().blocks[0].forward))]
+        shown = self.pool.run(_signatures, 2)[0]
+        self.assertEqual(shown[:2], plain)
+        self.assertEqual(shown[2], "(self, *args: 'Any', **kwargs: 'Any') -> 'Any'")
