@@ -1,0 +1,347 @@
+"""Hugging Face ``transformers.Trainer`` flows with flatshard, run by
+tests/test_framework_trainer.py.
+
+Launched with 2 CPU ranks (``python -m torch.distributed.run --standalone --nproc-per-node 2
+tests/_fw_trainer_flow.py PHASE WORK PRECISION``), except ``check``, which runs in one plain
+process with no process group. Each phase writes what it saw to JSON (and tensors to ``.pt``) under
+WORK; the test asserts on them.
+
+Phases:
+- ``full``: Trainer with ``fsdp="full_shard auto_wrap"`` and ``fsdp_config={"version": 1,
+  "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}`` after ``flatshard.patch_torch_fsdp()``;
+  trains ``STEPS`` steps uninterrupted with a checkpoint every ``SAVE_EVERY`` steps, then
+  ``trainer.save_model``.
+- ``resume``: new processes, new process group: the same Trainer resumes from the checkpoint at
+  step ``SAVE_EVERY`` (``trainer.train(resume_from_checkpoint=...)``) and trains to ``STEPS``.
+  In fp32 it then runs the wrapped-first flows: a model the user wrapped with flatshard, passed to
+  the Trainer, first without the patch (the error), then with it (trains).
+- ``check`` (no process group): ``AutoModelForCausalLM.from_pretrained`` of the exports, and the
+  single-process reference: the same model, data, AdamW, linear schedule and clipping in a plain
+  torch loop on the combined batch of both ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+STEPS = 4
+SAVE_EVERY = 2
+PER_RANK_BATCH = 2
+WORLD = 2
+SEQ = 16
+VOCAB = 128
+LR = 1e-2
+MAX_GRAD_NORM = 1.0
+MODEL_COLUMNS = ("input_ids", "attention_mask", "labels")
+EXTRA_COLUMN = "sample_note"  # a dataset column the model does not take: remove_unused_columns drops it
+
+
+def tiny_llama(precision: str = "fp32") -> "torch.nn.Module":
+    """The same tiny Llama in every process (fixed seed, no dropout). For ``bf16`` it is held in
+    bfloat16, as ``from_pretrained(..., dtype=torch.bfloat16)`` gives it: with ``bf16=True``
+    accelerate then upcasts each FlatParameter to float32 through FSDP1's private attributes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return model.to(torch.bfloat16) if precision == "bf16" else model
+
+
+def samples() -> List[torch.Tensor]:
+    """Fixed token sequences, one per sample: STEPS steps of WORLD * PER_RANK_BATCH each."""
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (STEPS * WORLD * PER_RANK_BATCH, SEQ), generator=generator)
+    return list(tokens)
+
+
+class TokenDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.rows = samples()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        ids = self.rows[i]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(), EXTRA_COLUMN: i}
+
+
+def clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------
+# The distributed phases
+
+
+def _trainer_class() -> type:
+    from transformers import Trainer
+
+    class RecordingTrainer(Trainer):
+        """Records each step's loss exactly as computed (Trainer's logs round it to 4 digits), and
+        uses the dataset's order (no shuffling: the checkpoint/resume comparison and the
+        single-process reference need the same batches)."""
+
+        recorded: List[float]
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            loss = result[0] if return_outputs else result
+            self.recorded.append(float(loss.detach()))
+            return result
+
+        def _get_train_sampler(self, train_dataset=None):  # type: ignore[no-untyped-def]
+            return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    return RecordingTrainer
+
+
+def _arguments(output_dir: Path, precision: str, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    options: Dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=PER_RANK_BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        optim="adamw_torch",
+        save_strategy="steps",
+        save_steps=SAVE_EVERY,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bf16=precision == "bf16",
+        # The Trainer's FSDP1 recipe: the sharding strategy and auto-wrap in `fsdp`, version 1 and
+        # the decoder layer class in `fsdp_config` (Trainer's default version is now 2).
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def _seen_columns(model: torch.nn.Module, seen: List[List[str]]) -> None:
+    """Record the keyword arguments each forward of the HF model receives."""
+
+    def hook(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+        seen.append(sorted(kwargs))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _full_parameters(wrapper: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The full (unsharded) parameters, by the HF model's names, through summon_full_params (a
+    route independent of the state dict that save_model and the checkpoints use)."""
+    import flatshard
+
+    with flatshard.FullyShardedDataParallel.summon_full_params(wrapper, writeback=False):
+        return {clean(n): p.detach().clone() for n, p in wrapper.named_parameters()}
+
+
+def _structure(trainer: Any, torch_fsdp_class: type) -> Dict[str, Any]:
+    """Check 1: the Trainer's model is flatshard's wrapper, with no torch FSDP1 anywhere."""
+    import flatshard
+
+    wrapped = trainer.model_wrapped
+    units = [clean(n) or "<root>" for n, m in wrapped.named_modules() if isinstance(m, flatshard.FullyShardedDataParallel)]
+    managing = [m for m in flatshard.FullyShardedDataParallel.fsdp_modules(wrapped) if m._has_params]
+    return {
+        "wrapper_type": f"{type(wrapped).__module__}.{type(wrapped).__qualname__}",
+        "trainer_model_is_wrapper": trainer.model is wrapped,
+        "torch_fsdp1_modules": sum(isinstance(m, torch_fsdp_class) for m in wrapped.modules()),
+        "units": units,
+        "signature": list(inspect.signature(wrapped.forward).parameters)[:12],
+        # What accelerate's upcast under mixed precision reads and writes (FSDP1's private surface).
+        "flat_param_dtypes": sorted({str(m._flat_param.dtype) for m in managing}),
+        "orig_param_dtypes": sorted({str(m._handle._orig_param_dtype) for m in managing}),
+        "fqns": [list(m._flat_param._fqns) for m in managing],
+    }
+
+
+def _train(trainer: Any, **kwargs: Any) -> List[float]:
+    trainer.recorded = []
+    trainer.train(**kwargs)
+    return trainer.recorded
+
+
+def phase_full(work: Path, precision: str) -> None:
+    import flatshard
+    import torch.distributed.fsdp as torch_fsdp
+
+    torch_fsdp_class = torch_fsdp.FullyShardedDataParallel
+    patch = flatshard.patch_torch_fsdp()
+    rank = int(os.environ["RANK"])
+    model = tiny_llama(precision)
+    seen: List[List[str]] = []
+    _seen_columns(model, seen)
+    trainer = _trainer_class()(model=model, args=_arguments(work / f"run_{precision}", precision), train_dataset=TokenDataset())
+    losses = _train(trainer)
+    result = {"losses": losses, "columns": seen, "replaced": patch.replaced, **_structure(trainer, torch_fsdp_class),
+              "checkpoints": sorted(p.name for p in (work / f"run_{precision}").glob("checkpoint-*"))}
+    params = _full_parameters(trainer.model_wrapped)
+    trainer.save_model(str(work / f"export_{precision}"))
+    if rank == 0:
+        torch.save(params, work / f"params_full_{precision}.pt")
+    _write(work / f"full_{precision}_rank{rank}.json", result)
+
+
+def phase_resume(work: Path, precision: str) -> None:
+    import flatshard
+    import torch.distributed as dist
+    import torch.distributed.fsdp as torch_fsdp
+
+    rank = int(os.environ["RANK"])
+    torch_fsdp_class = torch_fsdp.FullyShardedDataParallel
+    result: Dict[str, Any] = {}
+    if precision == "fp32":
+        # Before any patch: a model the user wrapped with flatshard, passed to an unpatched Trainer.
+        result["unpatched"] = _wrapped_first(work, precision, patched=False)
+    flatshard.patch_torch_fsdp()
+    checkpoint = work / f"run_{precision}" / f"checkpoint-{SAVE_EVERY}"
+    trainer = _trainer_class()(model=tiny_llama(precision), args=_arguments(work / f"resumed_{precision}", precision),
+                               train_dataset=TokenDataset())
+    result["losses"] = _train(trainer, resume_from_checkpoint=str(checkpoint))
+    result["global_step"] = trainer.state.global_step
+    result.update(_structure(trainer, torch_fsdp_class))
+    params = _full_parameters(trainer.model_wrapped)
+    if rank == 0:
+        torch.save(params, work / f"params_resumed_{precision}.pt")
+    if precision == "fp32":
+        result["patched"] = _wrapped_first(work, precision, patched=True, torch_fsdp_class=torch_fsdp_class)
+    dist.barrier()
+    _write(work / f"resume_{precision}_rank{rank}.json", result)
+
+
+def _user_wrapped_model() -> torch.nn.Module:
+    """What README's migration section suggests: the user wraps the model with flatshard first."""
+    import flatshard
+    from flatshard.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return flatshard.FullyShardedDataParallel(tiny_llama(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                              use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def _wrapped_first(work: Path, precision: str, patched: bool, torch_fsdp_class: Any = None) -> Dict[str, Any]:
+    rank = int(os.environ["RANK"])
+    tag = "patched" if patched else "unpatched"
+    # TrainingArguments first: it starts the process group (accelerate's PartialState), which the
+    # user's wrap needs.
+    args = _arguments(work / f"wrapped_first_{tag}", precision, save_strategy="no")
+    wrapper = _user_wrapped_model()
+    inner = wrapper.module
+    seen: List[List[str]] = []
+    _seen_columns(inner, seen)
+    trainer = _trainer_class()(model=wrapper, args=args, train_dataset=TokenDataset())
+    if not patched:
+        try:
+            _train(trainer)
+        except Exception as error:  # noqa: BLE001 (the test asserts the type and text)
+            return {"error_type": type(error).__name__, "error": str(error), "mro": [c.__name__ for c in type(error).__mro__]}
+        return {"error_type": None, "error": None, "losses": trainer.recorded}
+    try:
+        losses = _train(trainer)
+    except Exception as error:  # noqa: BLE001 (the test shows it; the other flows' results still count)
+        return {"error": f"{type(error).__name__}: {error}"}
+    result = {"losses": losses, "columns": seen, "same_wrapper": trainer.model_wrapped is wrapper,
+              **_structure(trainer, torch_fsdp_class)}
+    params = _full_parameters(trainer.model_wrapped)
+    if rank == 0:
+        torch.save(params, work / f"params_wrapped_first_{precision}.pt")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The check without a process group
+
+
+def _reference(work: Path, precision: str, schedule_fn: Any) -> List[float]:
+    """The single-process reference: one process, the combined batch of both ranks at each step,
+    in float32 from the run's initial weights (for bf16, the bfloat16 weights upcast, as
+    accelerate upcasts them)."""
+    model = tiny_llama(precision).float()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_initial_{precision}.pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    schedule = schedule_fn(optimizer, 0, STEPS)
+    rows = torch.stack(samples())
+    losses = []
+    for step in range(STEPS):
+        batch = rows[step * WORLD * PER_RANK_BATCH:(step + 1) * WORLD * PER_RANK_BATCH]
+        loss = model(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_reference_{precision}.pt")
+    return losses
+
+
+def phase_check(work: Path, precisions: List[str]) -> None:
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    result: Dict[str, Any] = {"process_group": dist.is_available() and dist.is_initialized()}
+    for precision in precisions:
+        result[f"reference_losses_{precision}"] = _reference(work, precision, get_linear_schedule_with_warmup)
+    # Check 5: the exports load with no process group and hold the trained parameters.
+    for precision in precisions:
+        export = work / f"export_{precision}"
+        loaded = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+        with safe_open(str(export / "model.safetensors"), framework="pt") as stored:
+            stored_dtypes = sorted({str(stored.get_slice(k).get_dtype()) for k in stored.keys()})
+        trained = torch.load(work / f"params_full_{precision}.pt")
+        names = {n for n, _ in loaded.named_parameters()}
+        result[f"export_{precision}"] = {
+            "names_match": names == set(trained),
+            "equal": sorted(n for n, p in loaded.named_parameters() if n in trained and torch.equal(p, trained[n])),
+            "differ": sorted(n for n, p in loaded.named_parameters() if n in trained and not torch.equal(p, trained[n])),
+            "stored_dtypes": stored_dtypes,
+        }
+    result["process_group_after"] = dist.is_available() and dist.is_initialized()
+    _write(work / "check.json", result)
+
+
+def main(argv: List[str]) -> None:
+    phase, work = argv[0], Path(argv[1])
+    if phase == "check":
+        phase_check(work, argv[2].split(","))
+        return
+    precision = argv[2]
+    if precision not in ("fp32", "bf16"):
+        raise SystemExit(f"precision must be fp32 or bf16, got {precision!r}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _cpu_shim_trainer
+
+    _cpu_shim_trainer.install()
+    {"full": phase_full, "resume": phase_resume}[phase](work, precision)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
