@@ -28,15 +28,19 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
+try:  # the frameworks extra (pip install flatshard[frameworks]); the Trainer tests skip without it
+    from accelerate import state as accelerate_state
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+except ImportError as missing:
+    raise SystemExit(f"the CPU shim for accelerate needs accelerate (pip install flatshard[frameworks]): {missing}") from None
+
 _MARK = "_flatshard_test_cpu_fsdp_shim"
 
 
 def install() -> Callable[[], None]:
     """Open accelerate's FSDP path on ``MULTI_CPU`` (test-only; see the module docstring)."""
-    import torch
-    from accelerate import state as accelerate_state
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
     cls = accelerate_state.AcceleratorState
     original = cls.__init__
     if getattr(original, _MARK, False):

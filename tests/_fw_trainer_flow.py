@@ -2,20 +2,21 @@
 tests/test_framework_trainer.py.
 
 Launched with 2 CPU ranks (``python -m torch.distributed.run --standalone --nproc-per-node 2
-tests/_fw_trainer_flow.py PHASE WORK PRECISION``), except ``check``, which runs in one plain
+tests/_fw_trainer_flow.py PHASE WORK VARIANT``), except ``check``, which runs in one plain
 process with no process group. Each phase writes what it saw to JSON (and tensors to ``.pt``) under
-WORK; the test asserts on them.
+WORK; the test asserts on them. VARIANT is ``fp32``, ``bf16`` (``bf16=True``, the model held in
+bfloat16) or ``fp32-sharded`` (fp32, checkpoints with ``state_dict_type="SHARDED_STATE_DICT"``).
 
 Phases:
 - ``full``: Trainer with ``fsdp="full_shard auto_wrap"`` and ``fsdp_config={"version": 1,
   "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}`` after ``flatshard.patch_torch_fsdp()``;
   trains ``STEPS`` steps uninterrupted with a checkpoint every ``SAVE_EVERY`` steps, then
-  ``trainer.save_model``.
+  ``trainer.save_model`` (not for ``fp32-sharded``: the Trainer writes no weights then).
 - ``resume``: new processes, new process group: the same Trainer resumes from the checkpoint at
   step ``SAVE_EVERY`` (``trainer.train(resume_from_checkpoint=...)``) and trains to ``STEPS``.
   In fp32 it then runs the wrapped-first flows: a model the user wrapped with flatshard, passed to
   the Trainer, first without the patch (the error), then with it (trains).
-- ``check`` (no process group): ``AutoModelForCausalLM.from_pretrained`` of the exports, and the
+- ``check VARIANTS`` (no process group): ``AutoModelForCausalLM.from_pretrained`` of the exports, and the
   single-process reference: the same model, data, AdamW, linear schedule and clipping in a plain
   torch loop on the combined batch of both ranks.
 """
@@ -30,6 +31,19 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+
+import flatshard
+from flatshard.wrap import ModuleWrapPolicy
+
+try:  # the frameworks extra (pip install flatshard[frameworks]); the test skips without it
+    from safetensors import safe_open
+    from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments,
+                              get_linear_schedule_with_warmup)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+except ImportError as missing:
+    raise SystemExit(f"the Trainer flows need transformers (pip install flatshard[frameworks]): {missing}") from None
 
 STEPS = 4
 SAVE_EVERY = 2
@@ -40,21 +54,20 @@ VOCAB = 128
 LR = 1e-2
 MAX_GRAD_NORM = 1.0
 MODEL_COLUMNS = ("input_ids", "attention_mask", "labels")
+VARIANTS = ("fp32", "bf16", "fp32-sharded")  # fp32-sharded: fp32 with fsdp_config state_dict_type SHARDED_STATE_DICT
 EXTRA_COLUMN = "sample_note"  # a dataset column the model does not take: remove_unused_columns drops it
 
 
-def tiny_llama(precision: str = "fp32") -> "torch.nn.Module":
+def tiny_llama(variant: str = "fp32") -> "torch.nn.Module":
     """The same tiny Llama in every process (fixed seed, no dropout). For ``bf16`` it is held in
     bfloat16, as ``from_pretrained(..., dtype=torch.bfloat16)`` gives it: with ``bf16=True``
     accelerate then upcasts each FlatParameter to float32 through FSDP1's private attributes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          attention_dropout=0.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    return model.to(torch.bfloat16) if precision == "bf16" else model
+    return model.to(torch.bfloat16) if variant == "bf16" else model
 
 
 def samples() -> List[torch.Tensor]:
@@ -91,8 +104,6 @@ def _write(path: Path, data: Any) -> None:
 
 
 def _trainer_class() -> type:
-    from transformers import Trainer
-
     class RecordingTrainer(Trainer):
         """Records each step's loss exactly as computed (Trainer's logs round it to 4 digits), and
         uses the dataset's order (no shuffling: the checkpoint/resume comparison and the
@@ -112,9 +123,7 @@ def _trainer_class() -> type:
     return RecordingTrainer
 
 
-def _arguments(output_dir: Path, precision: str, **overrides: Any) -> Any:
-    from transformers import TrainingArguments
-
+def _arguments(output_dir: Path, variant: str, **overrides: Any) -> Any:
     options: Dict[str, Any] = dict(
         output_dir=str(output_dir),
         use_cpu=True,
@@ -134,19 +143,20 @@ def _arguments(output_dir: Path, precision: str, **overrides: Any) -> Any:
         data_seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        bf16=precision == "bf16",
+        bf16=variant == "bf16",
         # The Trainer's FSDP1 recipe: the sharding strategy and auto-wrap in `fsdp`, version 1 and
         # the decoder layer class in `fsdp_config` (Trainer's default version is now 2).
         fsdp="full_shard auto_wrap",
         fsdp_config={"version": 1, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
     )
+    if variant == "fp32-sharded":  # checkpoints as torch.distributed.checkpoint shards (the default is FULL_STATE_DICT)
+        options["fsdp_config"]["state_dict_type"] = "SHARDED_STATE_DICT"
     options.update(overrides)
     return TrainingArguments(**options)
 
 
 def _seen_columns(model: torch.nn.Module, seen: List[List[str]]) -> None:
     """Record the keyword arguments each forward of the HF model receives."""
-
     def hook(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
         seen.append(sorted(kwargs))
 
@@ -156,16 +166,12 @@ def _seen_columns(model: torch.nn.Module, seen: List[List[str]]) -> None:
 def _full_parameters(wrapper: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The full (unsharded) parameters, by the HF model's names, through summon_full_params (a
     route independent of the state dict that save_model and the checkpoints use)."""
-    import flatshard
-
     with flatshard.FullyShardedDataParallel.summon_full_params(wrapper, writeback=False):
         return {clean(n): p.detach().clone() for n, p in wrapper.named_parameters()}
 
 
 def _structure(trainer: Any, torch_fsdp_class: type) -> Dict[str, Any]:
     """Check 1: the Trainer's model is flatshard's wrapper, with no torch FSDP1 anywhere."""
-    import flatshard
-
     wrapped = trainer.model_wrapped
     units = [clean(n) or "<root>" for n, m in wrapped.named_modules() if isinstance(m, flatshard.FullyShardedDataParallel)]
     managing = [m for m in flatshard.FullyShardedDataParallel.fsdp_modules(wrapped) if m._has_params]
@@ -188,70 +194,60 @@ def _train(trainer: Any, **kwargs: Any) -> List[float]:
     return trainer.recorded
 
 
-def phase_full(work: Path, precision: str) -> None:
-    import flatshard
-    import torch.distributed.fsdp as torch_fsdp
-
+def phase_full(work: Path, variant: str) -> None:
     torch_fsdp_class = torch_fsdp.FullyShardedDataParallel
     patch = flatshard.patch_torch_fsdp()
     rank = int(os.environ["RANK"])
-    model = tiny_llama(precision)
+    model = tiny_llama(variant)
     seen: List[List[str]] = []
     _seen_columns(model, seen)
-    trainer = _trainer_class()(model=model, args=_arguments(work / f"run_{precision}", precision), train_dataset=TokenDataset())
+    trainer = _trainer_class()(model=model, args=_arguments(work / f"run_{variant}", variant), train_dataset=TokenDataset())
     losses = _train(trainer)
     result = {"losses": losses, "columns": seen, "replaced": patch.replaced, **_structure(trainer, torch_fsdp_class),
-              "checkpoints": sorted(p.name for p in (work / f"run_{precision}").glob("checkpoint-*"))}
+              "checkpoints": sorted(p.name for p in (work / f"run_{variant}").glob("checkpoint-*"))}
     params = _full_parameters(trainer.model_wrapped)
-    trainer.save_model(str(work / f"export_{precision}"))
+    if variant != "fp32-sharded":  # (under SHARDED_STATE_DICT, save_model writes no weights)
+        trainer.save_model(str(work / f"export_{variant}"))
     if rank == 0:
-        torch.save(params, work / f"params_full_{precision}.pt")
-    _write(work / f"full_{precision}_rank{rank}.json", result)
+        torch.save(params, work / f"params_full_{variant}.pt")
+    _write(work / f"full_{variant}_rank{rank}.json", result)
 
 
-def phase_resume(work: Path, precision: str) -> None:
-    import flatshard
-    import torch.distributed as dist
-    import torch.distributed.fsdp as torch_fsdp
-
+def phase_resume(work: Path, variant: str) -> None:
     rank = int(os.environ["RANK"])
     torch_fsdp_class = torch_fsdp.FullyShardedDataParallel
     result: Dict[str, Any] = {}
-    if precision == "fp32":
+    if variant == "fp32":
         # Before any patch: a model the user wrapped with flatshard, passed to an unpatched Trainer.
-        result["unpatched"] = _wrapped_first(work, precision, patched=False)
+        result["unpatched"] = _wrapped_first(work, variant, patched=False)
     flatshard.patch_torch_fsdp()
-    checkpoint = work / f"run_{precision}" / f"checkpoint-{SAVE_EVERY}"
-    trainer = _trainer_class()(model=tiny_llama(precision), args=_arguments(work / f"resumed_{precision}", precision),
+    checkpoint = work / f"run_{variant}" / f"checkpoint-{SAVE_EVERY}"
+    trainer = _trainer_class()(model=tiny_llama(variant), args=_arguments(work / f"resumed_{variant}", variant),
                                train_dataset=TokenDataset())
     result["losses"] = _train(trainer, resume_from_checkpoint=str(checkpoint))
     result["global_step"] = trainer.state.global_step
     result.update(_structure(trainer, torch_fsdp_class))
     params = _full_parameters(trainer.model_wrapped)
     if rank == 0:
-        torch.save(params, work / f"params_resumed_{precision}.pt")
-    if precision == "fp32":
-        result["patched"] = _wrapped_first(work, precision, patched=True, torch_fsdp_class=torch_fsdp_class)
+        torch.save(params, work / f"params_resumed_{variant}.pt")
+    if variant == "fp32":
+        result["patched"] = _wrapped_first(work, variant, patched=True, torch_fsdp_class=torch_fsdp_class)
     dist.barrier()
-    _write(work / f"resume_{precision}_rank{rank}.json", result)
+    _write(work / f"resume_{variant}_rank{rank}.json", result)
 
 
 def _user_wrapped_model() -> torch.nn.Module:
     """What README's migration section suggests: the user wraps the model with flatshard first."""
-    import flatshard
-    from flatshard.wrap import ModuleWrapPolicy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     return flatshard.FullyShardedDataParallel(tiny_llama(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
                                               use_orig_params=True, device_id=torch.device("cpu"))
 
 
-def _wrapped_first(work: Path, precision: str, patched: bool, torch_fsdp_class: Any = None) -> Dict[str, Any]:
+def _wrapped_first(work: Path, variant: str, patched: bool, torch_fsdp_class: Any = None) -> Dict[str, Any]:
     rank = int(os.environ["RANK"])
     tag = "patched" if patched else "unpatched"
     # TrainingArguments first: it starts the process group (accelerate's PartialState), which the
     # user's wrap needs.
-    args = _arguments(work / f"wrapped_first_{tag}", precision, save_strategy="no")
+    args = _arguments(work / f"wrapped_first_{tag}", variant, save_strategy="no")
     wrapper = _user_wrapped_model()
     inner = wrapper.module
     seen: List[List[str]] = []
@@ -271,7 +267,7 @@ def _wrapped_first(work: Path, precision: str, patched: bool, torch_fsdp_class: 
               **_structure(trainer, torch_fsdp_class)}
     params = _full_parameters(trainer.model_wrapped)
     if rank == 0:
-        torch.save(params, work / f"params_wrapped_first_{precision}.pt")
+        torch.save(params, work / f"params_wrapped_first_{variant}.pt")
     return result
 
 
@@ -279,14 +275,14 @@ def _wrapped_first(work: Path, precision: str, patched: bool, torch_fsdp_class: 
 # The check without a process group
 
 
-def _reference(work: Path, precision: str, schedule_fn: Any) -> List[float]:
+def _reference(work: Path, variant: str) -> List[float]:
     """The single-process reference: one process, the combined batch of both ranks at each step,
     in float32 from the run's initial weights (for bf16, the bfloat16 weights upcast, as
     accelerate upcasts them)."""
-    model = tiny_llama(precision).float()
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_initial_{precision}.pt")
+    model = tiny_llama(variant).float()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_initial_{variant}.pt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    schedule = schedule_fn(optimizer, 0, STEPS)
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, STEPS)
     rows = torch.stack(samples())
     losses = []
     for step in range(STEPS):
@@ -298,27 +294,24 @@ def _reference(work: Path, precision: str, schedule_fn: Any) -> List[float]:
         schedule.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_reference_{precision}.pt")
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_reference_{variant}.pt")
     return losses
 
 
-def phase_check(work: Path, precisions: List[str]) -> None:
-    import torch.distributed as dist
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
-
+def phase_check(work: Path, variants: List[str]) -> None:
     result: Dict[str, Any] = {"process_group": dist.is_available() and dist.is_initialized()}
-    for precision in precisions:
-        result[f"reference_losses_{precision}"] = _reference(work, precision, get_linear_schedule_with_warmup)
+    exported = [v for v in variants if v != "fp32-sharded"]
+    for variant in exported:  # (fp32-sharded trains as fp32: the same reference)
+        result[f"reference_losses_{variant}"] = _reference(work, variant)
     # Check 5: the exports load with no process group and hold the trained parameters.
-    for precision in precisions:
-        export = work / f"export_{precision}"
+    for variant in exported:
+        export = work / f"export_{variant}"
         loaded = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
         with safe_open(str(export / "model.safetensors"), framework="pt") as stored:
             stored_dtypes = sorted({str(stored.get_slice(k).get_dtype()) for k in stored.keys()})
-        trained = torch.load(work / f"params_full_{precision}.pt")
+        trained = torch.load(work / f"params_full_{variant}.pt")
         names = {n for n, _ in loaded.named_parameters()}
-        result[f"export_{precision}"] = {
+        result[f"export_{variant}"] = {
             "names_match": names == set(trained),
             "equal": sorted(n for n, p in loaded.named_parameters() if n in trained and torch.equal(p, trained[n])),
             "differ": sorted(n for n, p in loaded.named_parameters() if n in trained and not torch.equal(p, trained[n])),
@@ -333,14 +326,13 @@ def main(argv: List[str]) -> None:
     if phase == "check":
         phase_check(work, argv[2].split(","))
         return
-    precision = argv[2]
-    if precision not in ("fp32", "bf16"):
-        raise SystemExit(f"precision must be fp32 or bf16, got {precision!r}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _cpu_shim_trainer
+    variant = argv[2]
+    if variant not in VARIANTS:
+        raise SystemExit(f"variant must be one of {VARIANTS}, got {variant!r}")
+    from tests import _cpu_shim_trainer  # (test-only: opens accelerate's FSDP path on CPU ranks)
 
     _cpu_shim_trainer.install()
-    {"full": phase_full, "resume": phase_resume}[phase](work, precision)
+    {"full": phase_full, "resume": phase_resume}[phase](work, variant)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,11 @@ in a process without a process group gives the trained parameters; ``remove_unus
 keeps the model's columns; a model wrapped with flatshard first is recognised after the patch and
 refused loudly (RewrapError naming patch_torch_fsdp()) without it.
 
-fp32 runs by default; bf16 (``bf16=True`` with a bfloat16 model, which accelerate upcasts through
-FSDP1's private attributes) runs with FLATSHARD_FRAMEWORKS_ALL=1.
+fp32 (with the Trainer's default FULL_STATE_DICT checkpoints) runs by default. With
+FLATSHARD_FRAMEWORKS_ALL=1 also: bf16 (``bf16=True`` with a bfloat16 model, which accelerate
+upcasts through FSDP1's private attributes), and fp32 with ``fsdp_config["state_dict_type"] =
+"SHARDED_STATE_DICT"`` (torch.distributed.checkpoint shards; ``save_model`` writes no weights then,
+so it has no export check).
 """
 
 import json
@@ -35,8 +38,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 FLOW = str(ROOT / "tests" / "_fw_trainer_flow.py")
 ALL = os.environ.get("FLATSHARD_FRAMEWORKS_ALL") == "1"
-PRECISIONS = ["fp32", "bf16"] if ALL else ["fp32"]
-NEEDS_ALL = "the bf16 Trainer flow is long; run it with FLATSHARD_FRAMEWORKS_ALL=1"
+VARIANTS = ["fp32", "bf16", "fp32-sharded"] if ALL else ["fp32"]
+NEEDS_ALL = "the bf16 and SHARDED_STATE_DICT Trainer flows are long; run them with FLATSHARD_FRAMEWORKS_ALL=1"
 STEPS, SAVE_EVERY = 4, 2  # as in _fw_trainer_flow
 UNITS = ["<root>", "model.layers.0", "model.layers.1"]
 MODEL_COLUMNS = ["attention_mask", "input_ids", "labels"]
@@ -51,13 +54,13 @@ def _launch(args, two_ranks=True):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """Runs every flow once: per precision the uninterrupted run (with checkpoints) and the
-    resume in new processes, then the check without a process group."""
+    """Runs every flow once: per variant the uninterrupted run (with checkpoints) and the resume
+    in new processes, then the check without a process group."""
     work = tmp_path_factory.mktemp("trainer_flows")
-    for precision in PRECISIONS:
-        _launch(["full", str(work), precision])
-        _launch(["resume", str(work), precision])
-    _launch(["check", str(work), ",".join(PRECISIONS)], two_ranks=False)
+    for variant in VARIANTS:
+        _launch(["full", str(work), variant])
+        _launch(["resume", str(work), variant])
+    _launch(["check", str(work), ",".join(VARIANTS)], two_ranks=False)
     return work
 
 
@@ -73,12 +76,12 @@ def _params(work, name):
     return torch.load(work / f"params_{name}.pt")
 
 
-precisions = pytest.mark.parametrize(
-    "precision", ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not ALL, reason=NEEDS_ALL))]
-)
+_long = pytest.mark.skipif(not ALL, reason=NEEDS_ALL)
+precisions = pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=_long)])
+variants = pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=_long), pytest.param("fp32-sharded", marks=_long)])
 
 
-@precisions
+@variants
 def test_the_trainer_shards_with_flatshard_exactly_once(work, precision):
     for run in _ranks(work, "full", precision) + _ranks(work, "resume", precision):
         assert run["wrapper_type"] == "flatshard.sharded_data_parallel.ShardedDataParallel"
@@ -90,20 +93,22 @@ def test_the_trainer_shards_with_flatshard_exactly_once(work, precision):
     assert "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel" in replaced
 
 
-@precisions
+@variants
 def test_training_equals_one_process_on_the_combined_batch(work, precision):
     """Each rank's Trainer loss is its tokens' share of the global mean (Trainer scales by the
     token count over both ranks), so the ranks' mean is the combined batch's loss. bf16 is looser:
     the forward and the gradient reduction run in bfloat16 (FSDP's MixedPrecision from
     accelerate), the reference in float32, and Adam's first steps (about lr * sign(g) per
     element) turn the bfloat16 rounding of small gradients into whole-step differences."""
-    reference = _json(work, "check.json")[f"reference_losses_{precision}"]
+    like = "fp32" if precision == "fp32-sharded" else precision  # (the same training; only checkpoints differ)
+    reference = _json(work, "check.json")[f"reference_losses_{like}"]
     runs = _ranks(work, "full", precision)
     losses = [(a + b) / 2 for a, b in zip(runs[0]["losses"], runs[1]["losses"])]
     assert len(losses) == STEPS
-    trained, expected, initial = (_params(work, f"{kind}_{precision}") for kind in ("full", "reference", "initial"))
+    trained = _params(work, f"full_{precision}")
+    expected, initial = (_params(work, f"{kind}_{like}") for kind in ("reference", "initial"))
     assert set(trained) == set(expected)
-    if precision == "fp32":
+    if like == "fp32":
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
         for name in expected:
             torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -114,16 +119,23 @@ def test_training_equals_one_process_on_the_combined_batch(work, precision):
         assert off / moved < 0.2, f"bf16 training moved the parameters {off / moved:.3f} of the way off the reference"
 
 
-@precisions
+@variants
 def test_the_trainer_checkpoint_saves(work, precision):
     run = _ranks(work, "full", precision)[0]
     assert run["checkpoints"] == [f"checkpoint-{SAVE_EVERY}", f"checkpoint-{STEPS}"]
     checkpoint = work / f"run_{precision}" / f"checkpoint-{SAVE_EVERY}"
-    for name in ("pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"):
+    for name in ("scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"):
         assert (checkpoint / name).is_file(), name
+    if precision == "fp32-sharded":  # torch.distributed.checkpoint directories, written by both ranks
+        for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert (checkpoint / name / ".metadata").is_file(), name
+            assert len(list((checkpoint / name).glob("*.distcp"))) == 2, name
+    else:  # full state dicts, written by rank 0
+        for name in ("pytorch_model_fsdp.bin", "optimizer.bin"):
+            assert (checkpoint / name).is_file(), name
 
 
-@precisions
+@variants
 def test_resume_from_checkpoint_in_new_processes_is_bit_identical(work, precision):
     for full, resumed in zip(_ranks(work, "full", precision), _ranks(work, "resume", precision)):
         assert resumed["global_step"] == STEPS
