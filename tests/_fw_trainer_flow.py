@@ -105,9 +105,7 @@ def _write(path: Path, data: Any) -> None:
 
 def _trainer_class() -> type:
     class RecordingTrainer(Trainer):
-        """Records each step's loss exactly as computed (Trainer's logs round it to 4 digits), and
-        uses the dataset's order (no shuffling: the checkpoint/resume comparison and the
-        single-process reference need the same batches)."""
+        """Records each step's loss exactly as computed (Trainer's logs round it to 4 digits)."""
 
         recorded: List[float]
 
@@ -116,9 +114,6 @@ def _trainer_class() -> type:
             loss = result[0] if return_outputs else result
             self.recorded.append(float(loss.detach()))
             return result
-
-        def _get_train_sampler(self, train_dataset=None):  # type: ignore[no-untyped-def]
-            return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
 
     return RecordingTrainer
 
@@ -140,7 +135,9 @@ def _arguments(output_dir: Path, variant: str, **overrides: Any) -> Any:
         logging_steps=1,
         report_to=[],
         seed=0,
-        data_seed=0,
+        # The dataset's order, no shuffling: the resume comparison and the single-process reference
+        # need the same batches (rank r gets batch 2 * step + r, accelerate's batch sharding).
+        train_sampling_strategy="sequential",
         dataloader_num_workers=0,
         disable_tqdm=True,
         bf16=variant == "bf16",
