@@ -15,7 +15,8 @@ Phases:
 - ``resume``: new processes, new process group: the same Trainer resumes from the checkpoint at
   step ``SAVE_EVERY`` (``trainer.train(resume_from_checkpoint=...)``) and trains to ``STEPS``.
   In fp32 it then runs the wrapped-first flows: a model the user wrapped with flatshard, passed to
-  the Trainer, first without the patch (the error), then with it (trains).
+  the Trainer, first without the patch (the error), then with it (trains); and gradient
+  accumulation (``gradient_accumulation_steps=ACCUMULATE``, FSDP1's ``no_sync``).
 - ``check VARIANTS`` (no process group): ``AutoModelForCausalLM.from_pretrained`` of the exports, and the
   single-process reference: the same model, data, AdamW, linear schedule and clipping in a plain
   torch loop on the combined batch of both ranks.
@@ -47,6 +48,7 @@ except ImportError as missing:
 
 STEPS = 4
 SAVE_EVERY = 2
+ACCUMULATE = 2  # micro-batches per step in the gradient-accumulation flow (STEPS // ACCUMULATE steps)
 PER_RANK_BATCH = 2
 WORLD = 2
 SEQ = 16
@@ -229,6 +231,7 @@ def phase_resume(work: Path, variant: str) -> None:
         torch.save(params, work / f"params_resumed_{variant}.pt")
     if variant == "fp32":
         result["patched"] = _wrapped_first(work, variant, patched=True, torch_fsdp_class=torch_fsdp_class)
+        result["accumulation"] = _accumulation(work)
     dist.barrier()
     _write(work / f"resume_{variant}_rank{rank}.json", result)
 
@@ -268,22 +271,49 @@ def _wrapped_first(work: Path, variant: str, patched: bool, torch_fsdp_class: An
     return result
 
 
+def _accumulation(work: Path) -> Dict[str, Any]:
+    """Gradient accumulation: ACCUMULATE micro-batches per step, all but the last under
+    accelerate's ``no_sync`` (FSDP1's ``no_sync()`` on the root). Counts the ``no_sync`` calls,
+    since syncing every micro-batch would train the same."""
+    rank = int(os.environ["RANK"])
+    entered: List[int] = []
+    original = flatshard.FullyShardedDataParallel.no_sync
+
+    def counting_no_sync(self: Any) -> Any:
+        entered.append(1)
+        return original(self)
+
+    flatshard.FullyShardedDataParallel.no_sync = counting_no_sync  # type: ignore[method-assign]
+    try:
+        args = _arguments(work / "accumulation", "fp32", save_strategy="no", max_steps=STEPS // ACCUMULATE,
+                          gradient_accumulation_steps=ACCUMULATE)
+        trainer = _trainer_class()(model=tiny_llama(), args=args, train_dataset=TokenDataset())
+        losses = _train(trainer)
+    finally:
+        flatshard.FullyShardedDataParallel.no_sync = original  # type: ignore[method-assign]
+    params = _full_parameters(trainer.model_wrapped)
+    if rank == 0:
+        torch.save(params, work / "params_accumulation_fp32.pt")
+    return {"losses": losses, "no_sync_calls": len(entered)}
+
+
 # --------------------------------------------------------------------------------------------
 # The check without a process group
 
 
-def _reference(work: Path, variant: str) -> List[float]:
-    """The single-process reference: one process, the combined batch of both ranks at each step,
-    in float32 from the run's initial weights (for bf16, the bfloat16 weights upcast, as
-    accelerate upcasts them)."""
+def _reference(work: Path, variant: str, accumulate: int = 1) -> List[float]:
+    """The single-process reference: one process, the combined batch of both ranks (and of all
+    ``accumulate`` micro-batches) at each step, in float32 from the run's initial weights (for
+    bf16, the bfloat16 weights upcast, as accelerate upcasts them)."""
     model = tiny_llama(variant).float()
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_initial_{variant}.pt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    schedule = get_linear_schedule_with_warmup(optimizer, 0, STEPS)
+    steps, size = STEPS // accumulate, WORLD * PER_RANK_BATCH * accumulate
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, steps)
     rows = torch.stack(samples())
     losses = []
-    for step in range(STEPS):
-        batch = rows[step * WORLD * PER_RANK_BATCH:(step + 1) * WORLD * PER_RANK_BATCH]
+    for step in range(steps):
+        batch = rows[step * size:(step + 1) * size]
         loss = model(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
@@ -291,7 +321,8 @@ def _reference(work: Path, variant: str) -> List[float]:
         schedule.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_reference_{variant}.pt")
+    name = variant if accumulate == 1 else f"accumulation_{variant}"
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, work / f"params_reference_{name}.pt")
     return losses
 
 
@@ -300,6 +331,8 @@ def phase_check(work: Path, variants: List[str]) -> None:
     exported = [v for v in variants if v != "fp32-sharded"]
     for variant in exported:  # (fp32-sharded trains as fp32: the same reference)
         result[f"reference_losses_{variant}"] = _reference(work, variant)
+    if "fp32" in variants:
+        result["reference_losses_accumulation_fp32"] = _reference(work, "fp32", accumulate=ACCUMULATE)
     # Check 5: the exports load with no process group and hold the trained parameters.
     for variant in exported:
         export = work / f"export_{variant}"

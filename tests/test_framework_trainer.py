@@ -12,7 +12,8 @@ saves; ``trainer.train(resume_from_checkpoint=...)`` in new processes and a new 
 bit-identical to the uninterrupted run; ``save_model`` + ``AutoModelForCausalLM.from_pretrained``
 in a process without a process group gives the trained parameters; ``remove_unused_columns``
 keeps the model's columns; a model wrapped with flatshard first is recognised after the patch and
-refused loudly (RewrapError naming patch_torch_fsdp()) without it.
+refused loudly (RewrapError naming patch_torch_fsdp()) without it; gradient accumulation goes
+through the root's ``no_sync()`` and equals one process.
 
 fp32 (with the Trainer's default FULL_STATE_DICT checkpoints) runs by default. With
 FLATSHARD_FRAMEWORKS_ALL=1 also: bf16 (``bf16=True`` with a bfloat16 model, which accelerate
@@ -198,6 +199,24 @@ def test_a_model_wrapped_first_is_recognised_after_the_patch(work):
         assert first["losses"] == full[rank]["losses"]  # the same training as the Trainer's own wrap
     wrapped_first, trainer_wrapped = _params(work, "wrapped_first_fp32"), _params(work, "full_fp32")
     assert all(torch.equal(wrapped_first[n], trainer_wrapped[n]) for n in trainer_wrapped)
+
+
+def test_gradient_accumulation_uses_no_sync_and_equals_one_process(work):
+    """``gradient_accumulation_steps=2``: accelerate enters the root's ``no_sync()`` for the first
+    micro-batch of each step; a step equals one single-process step on all 8 samples."""
+    runs = [run["accumulation"] for run in _ranks(work, "resume", "fp32")]
+    steps = STEPS // 2
+    for run in runs:
+        assert run["no_sync_calls"] == steps
+        assert len(run["losses"]) == STEPS  # one per micro-batch
+    # Each micro-batch loss is its tokens' share of the step's mean over both ranks and micro-batches.
+    losses = [sum(run["losses"][2 * step] + run["losses"][2 * step + 1] for run in runs) / 2 for step in range(steps)]
+    reference = _json(work, "check.json")["reference_losses_accumulation_fp32"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    trained, expected = _params(work, "accumulation_fp32"), _params(work, "reference_accumulation_fp32")
+    assert set(trained) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_model_wrapped_first_without_the_patch_is_refused_loudly(work):
