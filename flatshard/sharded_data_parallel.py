@@ -616,14 +616,18 @@ class ShardedDataParallel(FSDP1Surface):
         optim_input: Optional[Any] = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> Dict[str, Any]:
-        """Re-key an optimizer state dict of a plain (unwrapped) model between parameter
-        names (``PARAM_NAME``) and parameter IDs (``PARAM_ID``), e.g. to load a full state
-        dict of a ``ShardedDataParallel`` model into a plain optimizer, or the reverse.
+        """Re-key an optimizer state dict between parameter names (``PARAM_NAME``) and
+        parameter IDs (``PARAM_ID``: positions in the optimizer's parameter order), e.g. to
+        load a full state dict of a ``ShardedDataParallel`` model into a plain optimizer, or
+        the reverse. ``model`` may be the plain model or, as in FSDP1, the wrapped one: with
+        ``use_orig_params`` the IDs are then the plain optimizer's; without, each
+        ``FlatParameter`` stands for its original parameters in flattening order (FSDP1 raises
+        there), so a dict rekeyed to IDs and back keeps its names.
 
         Args:
             optim_state_dict: the optimizer state dict.
             optim_state_key_type: the key type wanted.
-            model: the plain model (not wrapped).
+            model: the plain model, or the wrapped one.
             optim_input: the parameters the optimizer was built with, if not ``model.parameters()``.
             optim: the plain optimizer (instead of ``optim_input``).
         """

@@ -168,6 +168,47 @@ def _plain_interchange(rank, world_size):
     return sorted(named["state"]), sorted(back["state"])
 
 
+def _rekey_wrapped(rank, world_size, orig):
+    """Lightning's full optimizer checkpoint: ``optim_state_dict`` rekeyed to IDs with the
+    wrapped model (no optimizer given: the model's parameters), then back to names, loads and
+    trains on like uninterrupted training. With original parameters the IDs are the plain
+    optimizer's, so the dict also loads into a plain optimizer on the plain model."""
+    model = _wrapped(orig=orig)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    plain = build(0)
+    plain_optim = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    for step in range(K):
+        _step(model, optim, step, rank, world_size)
+        _step(plain, plain_optim, step)
+    with ShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        named = ShardedDataParallel.optim_state_dict(model, optim)
+    by_id = ShardedDataParallel.rekey_optim_state_dict(named, OptimStateKeyType.PARAM_ID, model)
+    back = ShardedDataParallel.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model)
+    assert sorted(back["state"]) == sorted(named["state"]) and sorted(back["param_groups"][0]["params"]) == sorted(named["param_groups"][0]["params"])
+    fresh = _wrapped(seed=4, orig=orig)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    with ShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+    with ShardedDataParallel.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+        fresh.load_state_dict(full)
+        fresh_optim.load_state_dict(ShardedDataParallel.optim_state_dict_to_load(fresh, fresh_optim, back))
+    if orig:
+        other = build(5)
+        other.load_state_dict(plain.state_dict())
+        other_optim = torch.optim.Adam(other.parameters(), lr=1e-2)
+        other_optim.load_state_dict(by_id)
+    for step in range(K, 2 * K):
+        _step(fresh, fresh_optim, step, rank, world_size)
+        _step(plain, plain_optim, step)
+        if orig:
+            _step(other, other_optim, step)
+    _assert_params(fresh, plain, "rekeyed with the wrapped model")
+    if orig:
+        for (name, expected), (_, actual) in zip(plain.named_parameters(), other.named_parameters()):
+            torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"by ID into a plain optimizer: {name}: {m}")
+    return len(by_id["state"]), sorted(by_id["state"])[:3]
+
+
 def _errors(rank, world_size):
     model = _wrapped()
     optim = torch.optim.Adam(_groups(model.named_parameters()), lr=1e-2)
@@ -216,7 +257,7 @@ def _errors(rank, world_size):
     for call in (
         lambda: ShardedDataParallel.full_optim_state_dict(model, "optim"),
         lambda: ShardedDataParallel.shard_full_optim_state_dict([1], model, optim=optim),
-        lambda: ShardedDataParallel.rekey_optim_state_dict(good, OptimStateKeyType.PARAM_ID, model, optim=optim),
+        lambda: ShardedDataParallel.rekey_optim_state_dict({"state": {"nope.weight": {}}, "param_groups": [{"params": ["nope.weight"]}]}, OptimStateKeyType.PARAM_ID, model, optim=optim),
         lambda: ShardedDataParallel.optim_state_dict_to_load(model, optim, good, is_named_optimizer=True),
     ):
         try:
@@ -502,6 +543,12 @@ class OptimStateTest(TestCase):
         self.assertNotIn("unused_param", named)  # the plain optimizer never stepped it
         self.assertEqual(sorted(named + ["unused_param"]), back)  # zero-filled in its FlatParameter
 
+    def test_rekey_with_the_wrapped_model_round_trips_and_trains_on(self):
+        for orig in (False, True):
+            with self.subTest(use_orig_params=orig):
+                count, first = self.pool.run(_rekey_wrapped, 2, orig)[0]
+                self.assertEqual((count, first), (21, [0, 1, 2]))
+
     def test_fsdp1_full_optimizer_state_dicts_interchange(self):
         results = self.pool.run(_fsdp1_interchange, 2)
         self.assertEqual(results[0], ["fsdp1: 21 parameters with state", "flatshard: 21 parameters with state"])
@@ -570,7 +617,7 @@ the original parameters of the FlatParameter of unit 'blocks.2' must have optimi
 the optimizer has 2 param groups but the state dict has 1
 TypeError: optim must be a torch.optim.Optimizer; got str
 ValueError: shard_full_optim_state_dict: expected an optimizer state dict with 'state' and 'param_groups'; got list
-ValueError: rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, optim_state_dict)
+ValueError: rekey_optim_state_dict: the state dict names a parameter the model's optimizer does not have: 'nope.weight'
 NotImplementedError: optim_state_dict_to_load(is_named_optimizer=True) is not supported""")
 
 

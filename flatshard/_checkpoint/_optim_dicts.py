@@ -21,8 +21,8 @@ from torch import nn
 from .._base._common import coerce_enum
 from .._comm._collectives import ProcessGroup
 from ..api import OptimStateKeyType, StateDictSettings, StateDictType
-from ._checkpointing import model_root, named_units
-from ._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, rekey, scatter_optim_state
+from ._checkpointing import model_root
+from ._optim_state import LoadTarget, flatten_optim_state, gather_optim_state, optimizer_groups, optimizer_names, rekey, scatter_optim_state
 from ._optim_templates import template_state
 
 __all__ = [
@@ -86,15 +86,10 @@ def flatten_sharded_optim_state(sharded: Dict[str, Any], model: nn.Module, optim
 def rekey_plain_optim_state(
     osd: Dict[str, Any], key_type: Any, model: nn.Module, optim_input: Any, optim: Optional[torch.optim.Optimizer]
 ) -> Dict[str, Any]:
-    """A plain model's optimizer state dict re-keyed between parameter names and IDs."""
+    """An optimizer state dict re-keyed between parameter names and IDs, of a plain model or
+    a wrapped one (see [Note: parameter IDs of a wrapped model])."""
     kind = coerce_enum(key_type, OptimStateKeyType, "optim_state_key_type")
-    if named_units(model):
-        raise ValueError(
-            "rekey_optim_state_dict maps names and IDs of a plain (unwrapped) model's optimizer; a "
-            "ShardedDataParallel model's optimizer state is keyed by names already (full_optim_state_dict, "
-            "optim_state_dict)"
-        )
-    return rekey(osd, kind, model, optimizer_groups(model, optim, optim_input))  # type: ignore[arg-type]
+    return rekey(osd, kind, optimizer_names(model, optimizer_groups(model, optim, optim_input)))  # type: ignore[arg-type]
 
 
 def optim_state_for(

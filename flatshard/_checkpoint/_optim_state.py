@@ -57,7 +57,7 @@ from .._engine._unit import Unit
 from ..api import OptimStateKeyType
 from .._flat._flat_param import FlatParameter, FlatParamHandle
 
-__all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "rekey", "template_state"]
+__all__ = ["OptimStateIndex", "gather_optim_state", "flatten_optim_state", "scatter_optim_state", "optimizer_names", "rekey", "template_state"]
 
 _SCALAR_NAMES = frozenset({"step", "mu_product", "eta", "mu"})  # torch optimizers' per-parameter scalars
 
@@ -681,18 +681,32 @@ def _scatter_flat(handle: FlatParamHandle, names: Sequence[str], key: str, dtype
 # -- keys ----------------------------------------------------------------------------------
 
 
-def rekey(osd: Mapping[str, Any], key_type: OptimStateKeyType, model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) -> Dict[str, Any]:
-    """``osd`` keyed by parameter names (``PARAM_NAME``, without the prefixes of wrappers such
-    as activation checkpointing's) or IDs (``PARAM_ID``: positions in the optimizer's
-    parameter order) of the plain ``model``."""
-    _check_state_dict(osd, "rekey_optim_state_dict")
-    name_of = {id(p): clean_name(name) for name, p in model.named_parameters()}  # (checkpoint / compile wrappers)
+def optimizer_names(model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) -> List[str]:
+    """The names of the original parameters an optimizer over ``groups`` steps, in its order
+    (without the prefixes of wrappers such as activation checkpointing's).
+
+    [Note: parameter IDs of a wrapped model] FSDP1's ``rekey_optim_state_dict`` takes a wrapped
+    model (Lightning passes one): a parameter's ID is its position in the optimizer's order.
+    With ``use_orig_params`` the optimizer holds the original parameters, so that is FSDP1's
+    rule as it is. Otherwise it holds FlatParameters, where FSDP1 raises as soon as one holds
+    more than one parameter; here each stands for its original parameters in flattening order,
+    so IDs count original parameters and a dict rekeyed to IDs and back gives the same names."""
     ordered = [p for g in groups for p in g]
-    id_to_name = {}
+    if named_units(model):
+        index = OptimStateIndex(model)
+        return [name for param in ordered for name in index.names_of(param)]
+    name_of = {id(p): clean_name(name) for name, p in model.named_parameters()}  # (checkpoint / compile wrappers)
     for pid, param in enumerate(ordered):
         if id(param) not in name_of:
             raise ValueError(f"rekey_optim_state_dict: optimizer parameter #{pid} (shape {tuple(param.shape)}) is not a parameter of the model")
-        id_to_name[pid] = name_of[id(param)]
+    return [name_of[id(param)] for param in ordered]
+
+
+def rekey(osd: Mapping[str, Any], key_type: OptimStateKeyType, names: Sequence[str]) -> Dict[str, Any]:
+    """``osd`` keyed by parameter names (``PARAM_NAME``) or IDs (``PARAM_ID``: positions in
+    ``names``, the optimizer's order from ``optimizer_names``)."""
+    _check_state_dict(osd, "rekey_optim_state_dict")
+    id_to_name = dict(enumerate(names))
     name_to_id = {name: pid for pid, name in id_to_name.items()}
     table = name_to_id if key_type is OptimStateKeyType.PARAM_ID else id_to_name
 
