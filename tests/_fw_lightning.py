@@ -14,7 +14,9 @@ Usage (one process per rank; the test starts both):
   to ``--epochs`` and a final ``trainer.save_checkpoint`` (the export).
 - ``prewrapped-patched``: the user wraps the model with flatshard in ``configure_model``;
   Lightning must see it as wrapped and not wrap it again; then as "full-orig".
-- ``prewrapped-unpatched``: the same without ``patch_torch_fsdp()``: Lightning wraps again in
+- ``wrapapi-full``: as ``prewrapped-patched``, wrapped with torch's ``wrap()`` in
+  ``configure_model`` (Lightning's manual wrapping: the strategy's ``enable_wrap``).
+- ``prewrapped-unpatched``: the ``prewrapped-patched`` model without ``patch_torch_fsdp()``: Lightning wraps again in
   torch's FSDP1 (let onto CPU by the test shim), which must raise flatshard's ``RewrapError``;
   its type and text are recorded.
 - ``fabric-full``, ``fabric-sharded``: Fabric's ``FSDPStrategy`` (state_dict_type
@@ -77,7 +79,7 @@ class FlowModule(L.LightningModule):
     """``Net`` as a LightningModule: MSE loss, AdamW with a per-step LambdaLR; records each
     step's loss on this rank."""
 
-    def __init__(self, use_orig_params: bool = True, prewrap: bool = False) -> None:
+    def __init__(self, use_orig_params: bool = True, prewrap: str = "") -> None:
         super().__init__()
         self.net = build_net()
         self.use_orig_params = use_orig_params
@@ -85,11 +87,18 @@ class FlowModule(L.LightningModule):
         self.losses: List[torch.Tensor] = []
 
     def configure_model(self) -> None:
-        if self.prewrap and not isinstance(self.net, ShardedDataParallel):
-            # the README's migration: the user wraps with flatshard themself
+        if isinstance(self.net, ShardedDataParallel):
+            return
+        if self.prewrap == "flatshard":  # the README's migration: the user wraps with flatshard
             self.net = flatshard.FullyShardedDataParallel(
                 self.net, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True
             )
+        elif self.prewrap == "wrap":
+            # Lightning's manual wrapping: torch's wrap() inside the strategy's enable_wrap
+            # (wrapper_cls=torch.distributed.fsdp...FullyShardedDataParallel, the strategy's kwargs)
+            from torch.distributed.fsdp.wrap import wrap
+
+            self.net = wrap(self.net)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -166,9 +175,10 @@ def gathered_losses(losses: List[torch.Tensor]) -> torch.Tensor:
 
 
 def run_strategy_variant(name: str, args: argparse.Namespace, ports: Ports, rank: int) -> Dict[str, Any]:
-    """``<state_dict_type>-<orig|flat>``, or ``prewrapped-patched`` ("full", use_orig_params, the
-    model wrapped with flatshard by the user in ``configure_model``)."""
-    prewrap = name == "prewrapped-patched"
+    """``<state_dict_type>-<orig|flat>``; or "full" with use_orig_params and the model wrapped in
+    ``configure_model``: by the user with flatshard (``prewrapped-patched``) or with torch's
+    ``wrap()`` (``wrapapi-full``)."""
+    prewrap = {"prewrapped-patched": "flatshard", "wrapapi-full": "wrap"}.get(name, "")
     state_dict_type, kind = ("full", "orig") if prewrap else name.split("-")
     options = dict(auto_wrap_policy={Block}, state_dict_type=state_dict_type, use_orig_params=kind == "orig")
     where = Path(args.workdir) / name
@@ -213,7 +223,7 @@ def run_unpatched(args: argparse.Namespace, ports: Ports, rank: int) -> Dict[str
     result: Dict[str, Any] = {}
     ports.next_group()
     L.seed_everything(0, verbose=False)
-    module = FlowModule(prewrap=True)
+    module = FlowModule(prewrap="flatshard")
     trainer = trainer_for(args.epochs, auto_wrap_policy={Block})
     try:
         with torch_fsdp1_on_cpu():
@@ -333,7 +343,7 @@ def export(args: argparse.Namespace) -> None:
         plain = FlowModule()
         plain.load_state_dict(state, strict=True)
         out: Dict[str, Any] = {"params": {k: v.detach().clone() for k, v in plain.named_parameters()}}
-        if name in ("full-orig", "prewrapped-patched"):
+        if name in ("full-orig", "prewrapped-patched", "wrapapi-full"):
             # Lightning keys a full checkpoint's optimizer state by parameter ID ("standard
             # format"): with use_orig_params, the plain model's parameter order
             optimizer, _ = make_optimizer(plain.parameters())

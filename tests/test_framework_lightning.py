@@ -21,8 +21,8 @@ The full-checkpoint flows need flatshard to take Lightning's lazily loaded tenso
 
 The default run covers "full" with ``use_orig_params=True`` (Lightning's default), "sharded" with
 ``use_orig_params=False``, and the model wrapped first; ``FLATSHARD_FRAMEWORKS_ALL=1`` adds the
-other two combinations, Fabric's ``FSDPStrategy`` ("full" and "sharded") and the sharded exports
-through Lightning's consolidation command line.
+other two combinations, torch's ``wrap()`` in ``configure_model``, Fabric's ``FSDPStrategy``
+("full" and "sharded") and the sharded exports through Lightning's consolidation command line.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ STRATEGY_DEFAULT = ["full-orig", "sharded-flat"]
 STRATEGY_ALL = ["full-flat", "sharded-orig"]
 FABRIC = ["fabric-full", "fabric-sharded"]
 PREWRAPPED = ["prewrapped-patched", "prewrapped-unpatched"]
+WRAP_API = ["wrapapi-full"]
 
 
 def _free_ports(count: int) -> List[int]:
@@ -118,7 +119,7 @@ def default_flows() -> Iterator[Path]:
 def all_flows() -> Iterator[Path]:
     if not ALL:
         pytest.skip(ALL_REASON)
-    yield from _run(STRATEGY_ALL + FABRIC, STRATEGY_ALL + FABRIC, cli=True)
+    yield from _run(STRATEGY_ALL + WRAP_API + FABRIC, STRATEGY_ALL + WRAP_API + FABRIC, cli=True)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,7 @@ WRAPPED_BY_LIGHTNING = {
 
 def _check_strategy_flow(workdir: Path, variant: str, truth: Any, sharding: Dict[str, Any] = WRAPPED_BY_LIGHTNING) -> None:
     result = _result(workdir, variant)
-    state_dict_type, kind = ("full", "orig") if variant == "prewrapped-patched" else variant.split("-")
+    state_dict_type, kind = ("full", "orig") if variant in ("prewrapped-patched", "wrapapi-full") else variant.split("-")
     # 1. sharded once, by flatshard, a unit per Block
     assert result["sharding"] == sharding
     if kind == "flat":  # Lightning's check that the optimizer holds FSDP's flat parameters
@@ -211,6 +212,14 @@ def test_model_wrapped_with_flatshard_first_is_recognised_under_the_patch(defaul
     # not wrap the LightningModule again: its model is the LightningModule, holding the user's wrapper
     wrapped_by_user = {"root": "FlowModule", "root_is_flatshard": False, "torch_fsdp1_instances": 0, "units": ["Net", "Block", "Block"]}
     _check_strategy_flow(default_flows, "prewrapped-patched", truth, sharding=wrapped_by_user)
+
+
+def test_torch_wrap_in_configure_model_builds_flatshard_units(all_flows: Path, truth: Any) -> None:
+    """Lightning's manual wrapping: ``torch.distributed.fsdp.wrap.wrap`` in ``configure_model``,
+    inside the strategy's ``enable_wrap(wrapper_cls=FullyShardedDataParallel, ...)``, builds
+    flatshard's wrapper (with the strategy's ``auto_wrap_policy``); all five checks."""
+    wrapped_in_configure_model = {"root": "FlowModule", "root_is_flatshard": False, "torch_fsdp1_instances": 0, "units": ["Net", "Block", "Block"]}
+    _check_strategy_flow(all_flows, "wrapapi-full", truth, sharding=wrapped_in_configure_model)
 
 
 def test_model_wrapped_with_flatshard_first_is_refused_without_the_patch(default_flows: Path) -> None:
