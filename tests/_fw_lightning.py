@@ -12,6 +12,7 @@ Usage (one process per rank; the test starts both):
   next one on a new port, everything built anew): ``--epochs`` epochs straight;
   ``--resume-after`` epochs and ``trainer.save_checkpoint``; ``trainer.fit(ckpt_path=...)`` on
   to ``--epochs`` and a final ``trainer.save_checkpoint`` (the export).
+- ``full-orig-bf16``: "full-orig" with ``precision="bf16-mixed"``.
 - ``prewrapped-patched``: the user wraps the model with flatshard in ``configure_model``;
   Lightning must see it as wrapped and not wrap it again; then as "full-orig".
 - ``wrapapi-full``: as ``prewrapped-patched``, wrapped with torch's ``wrap()`` in
@@ -130,7 +131,7 @@ class Ports:
         os.environ["MASTER_PORT"] = str(self._ports.pop(0))
 
 
-def trainer_for(max_epochs: int, **strategy: Any) -> L.Trainer:
+def trainer_for(max_epochs: int, precision: str = "32-true", **strategy: Any) -> L.Trainer:
     # [Note: epochs, not max_steps] Training runs whole epochs and the checkpoint is taken at an
     # epoch's end, as Lightning advises for loaders without state. With ``max_steps`` Lightning
     # treats every resume as mid-epoch (fit_loop.py, the ``restarting`` setter: "or
@@ -139,7 +140,7 @@ def trainer_for(max_epochs: int, **strategy: Any) -> L.Trainer:
     # uninterrupted run (Lightning's behaviour, with any FSDP or none).
     return L.Trainer(
         accelerator="cpu", devices=2, num_nodes=1, strategy=CPUFSDPStrategy(**strategy), max_epochs=max_epochs,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
     )
 
@@ -175,12 +176,14 @@ def gathered_losses(losses: List[torch.Tensor]) -> torch.Tensor:
 
 
 def run_strategy_variant(name: str, args: argparse.Namespace, ports: Ports, rank: int) -> Dict[str, Any]:
-    """``<state_dict_type>-<orig|flat>``; or "full" with use_orig_params and the model wrapped in
+    """``<state_dict_type>-<orig|flat>[-bf16]`` (``-bf16``: Lightning's ``precision="bf16-mixed"``,
+    which the strategy passes on as torch's ``MixedPrecision`` in bf16); or "full" with use_orig_params and the model wrapped in
     ``configure_model``: by the user with flatshard (``prewrapped-patched``) or with torch's
     ``wrap()`` (``wrapapi-full``)."""
     prewrap = {"prewrapped-patched": "flatshard", "wrapapi-full": "wrap"}.get(name, "")
-    state_dict_type, kind = ("full", "orig") if prewrap else name.split("-")
-    options = dict(auto_wrap_policy={Block}, state_dict_type=state_dict_type, use_orig_params=kind == "orig")
+    state_dict_type, kind, *bf16 = ("full", "orig") if prewrap else name.split("-")
+    options = dict(auto_wrap_policy={Block}, state_dict_type=state_dict_type, use_orig_params=kind == "orig",
+                   precision="bf16-mixed" if bf16 else "32-true")
     where = Path(args.workdir) / name
     ckpt_k = where / ("step_k.ckpt" if state_dict_type == "full" else "step_k")
     ckpt_final = where / ("final.ckpt" if state_dict_type == "full" else "final")
@@ -343,7 +346,11 @@ def export(args: argparse.Namespace) -> None:
         plain = FlowModule()
         plain.load_state_dict(state, strict=True)
         out: Dict[str, Any] = {"params": {k: v.detach().clone() for k, v in plain.named_parameters()}}
-        if name in ("full-orig", "prewrapped-patched", "wrapapi-full"):
+        if name.startswith("full-flat"):
+            # the IDs count the FlatParameters' original parameters, in the optimizer's order
+            optim_state = checkpoint["optimizer_states"][0]["state"]
+            out["id_exp_avg_shapes"] = [tuple(optim_state[i]["exp_avg"].shape) for i in sorted(optim_state)]
+        if name.startswith("full-orig") or name in ("prewrapped-patched", "wrapapi-full"):
             # Lightning keys a full checkpoint's optimizer state by parameter ID ("standard
             # format"): with use_orig_params, the plain model's parameter order
             optimizer, _ = make_optimizer(plain.parameters())
