@@ -321,10 +321,20 @@ class LoadSink(torch.Tensor):
         super().__init__()
         self.loaded = None
 
+    def materialized(self, value: Any) -> torch.Tensor:
+        """A tensor-like value that is no ``torch.Tensor`` (one with ``__torch_function__``, which
+        ``nn.Module.load_state_dict`` accepts: Lightning's lazily loaded checkpoint tensors,
+        lightning/fabric/utilities/load.py ``_NotYetLoadedTensor``, loaded by its full-checkpoint
+        resume, lightning/pytorch/strategies/fsdp.py:632) as a tensor: copied, as torch's load
+        would copy it into the parameter, into a CPU tensor of the parameter's shape and dtype."""
+        out = torch.empty(self.shape, dtype=self.dtype, device="cpu")
+        out.copy_(value)  # (dispatches to the value's __torch_function__, which materializes it)
+        return out
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.Tensor.copy_ and isinstance(args[0], LoadSink):
-            args[0].loaded = args[1]
+            args[0].loaded = args[1] if isinstance(args[1], torch.Tensor) else args[0].materialized(args[1])
             return args[0]
         descriptor = getattr(getattr(func, "__self__", None), "__name__", None)
         if getattr(func, "__name__", "") == "__get__" and descriptor == "is_meta":
