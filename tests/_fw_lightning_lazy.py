@@ -8,7 +8,7 @@ must a flatshard model under ``FULL_STATE_DICT``.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
@@ -17,9 +17,9 @@ from flatshard import FullStateDictConfig, StateDictType
 from tests._fw_lightning_model import Block, build_net
 
 
-def load_lazily_loaded_full_state_dict(rank: int, world_size: int, path: str) -> Dict[bool, Tuple[str, Dict[str, bool]]]:
+def load_lazily_loaded_full_state_dict(rank: int, world_size: int, path: str) -> Dict[object, object]:
     """For use_orig_params True and False: (the type of the values Lightning hands over, whether
-    each parameter loaded exactly)."""
+    each parameter loaded exactly); under "wrong shape", the error for a value of the wrong shape."""
     try:
         from lightning.fabric.utilities.load import _lazy_load
     except ImportError as error:
@@ -36,4 +36,15 @@ def load_lazily_loaded_full_state_dict(rank: int, world_size: int, path: str) ->
             model.load_state_dict(lazy)
             loaded = model.state_dict()
         out[use_orig_params] = kind, {name: torch.equal(loaded[name], value) for name, value in expected.items()}
+    # A lazily loaded value of the wrong shape is named as such (materialized in its own shape,
+    # never broadcast into the parameter's).
+    wrong = dict(expected, **{"embed.weight": expected["embed.weight"][:1].clone()})
+    torch.save(wrong, path + ".wrong")
+    model = flatshard.FullyShardedDataParallel(build_net(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    try:
+        with flatshard.FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            model.load_state_dict(_lazy_load(path + ".wrong"))
+        out["wrong shape"] = "no error"
+    except (RuntimeError, ValueError) as error:
+        out["wrong shape"] = f"{type(error).__name__}: {error}"
     return out

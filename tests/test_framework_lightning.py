@@ -255,6 +255,11 @@ def test_a_lazily_loaded_full_checkpoint_loads_into_the_sharded_model(rank_pool:
     path = tmp_path / "full.pt"
     torch.save({name: value + 1.0 for name, value in build_net().state_dict().items()}, path)  # not the initial values
     for per_rank in rank_pool.run(load_lazily_loaded_full_state_dict, 2, str(path)):
+        wrong = per_rank.pop("wrong shape")
+        assert wrong == (
+            "RuntimeError: Error(s) in loading state_dict for Net:\n\tsize mismatch for embed.weight: copying a param with "
+            "shape torch.Size([1, 8]) from checkpoint, the shape in current model is torch.Size([16, 8])."
+        ), wrong
         assert sorted(per_rank) == [False, True]
         for kind, exact in per_rank.values():
             assert kind == "_NotYetLoadedTensor"

@@ -321,13 +321,17 @@ class LoadSink(torch.Tensor):
         super().__init__()
         self.loaded = None
 
-    def materialized(self, value: Any) -> torch.Tensor:
+    def materialized(self, value: Any) -> Any:
         """A tensor-like value that is no ``torch.Tensor`` (one with ``__torch_function__``, which
         ``nn.Module.load_state_dict`` accepts: Lightning's lazily loaded checkpoint tensors,
         lightning/fabric/utilities/load.py ``_NotYetLoadedTensor``, loaded by its full-checkpoint
         resume, lightning/pytorch/strategies/fsdp.py:632) as a tensor: copied, as torch's load
-        would copy it into the parameter, into a CPU tensor of the parameter's shape and dtype."""
-        out = torch.empty(self.shape, dtype=self.dtype, device="cpu")
+        would copy it, into a CPU tensor of the value's own shape and dtype (so that the checks
+        after it see a wrong shape as wrong, rather than broadcast). Anything else is left as
+        it is, for those checks to name."""
+        if not hasattr(type(value), "__torch_function__"):
+            return value
+        out = torch.empty(tuple(getattr(value, "shape", self.shape)), dtype=getattr(value, "dtype", self.dtype), device="cpu")
         out.copy_(value)  # (dispatches to the value's __torch_function__, which materializes it)
         return out
 
