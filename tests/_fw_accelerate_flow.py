@@ -14,7 +14,8 @@ training the combined batch with plain torch, the parameters' digests, what the 
 produced. ``prewrapped`` and ``prewrapped_unpatched`` are the model wrapped with flatshard first.
 
 Usage: _fw_accelerate_flow.py OUT_DIR VARIANT [VARIANT ...], a variant being
-``<fp32|bf16>-<SHARDED|FULL>[-bf16model]``, ``prewrapped`` or ``prewrapped_unpatched``; then,
+``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env]`` (``-env``: the plugin from the
+environment, as ``accelerate launch`` configures it), ``prewrapped`` or ``prewrapped_unpatched``; then,
 in a plain process (no launcher, no process group), ``_fw_accelerate_flow.py --export OUT_DIR
 VARIANT ...`` reads the exports back.
 """
@@ -57,6 +58,7 @@ _GROUPS: List[int] = []  # one entry per process group made so far
 _PATCH: List[Any] = []  # the one patch_torch_fsdp() call that replaced torch's class
 
 STEPS, RESUME_AT, LR = 4, 2, 1e-2
+MAX_NORM = 1.0  # below the gradients' norms here: clipping changes every step
 VOCAB, SEQ, PER_RANK = 128, 8, 2
 
 
@@ -79,7 +81,7 @@ def plain_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def reference(precision: str, model_dtype: torch.dtype) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference(precision: str, model_dtype: torch.dtype) -> Tuple[List[float], List[float], Dict[str, torch.Tensor]]:
     """One process, plain torch, the combined batch, the same AdamW on fp32 parameters (what
     accelerate's upcast leaves, also for a model loaded in bf16): the truth for training.
 
@@ -90,7 +92,8 @@ def reference(precision: str, model_dtype: torch.dtype) -> Tuple[List[float], Di
     2), then applied to the fp32 parameters."""
     model = tiny_llama(0, model_dtype).to(torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses: List[float] = []
+    norms: List[float] = []
     for step in range(STEPS):
         ids = batch(step)
         if precision == "fp32":
@@ -109,13 +112,29 @@ def reference(precision: str, model_dtype: torch.dtype) -> Tuple[List[float], Di
             losses.append(sum(loss for loss, _ in halves) / 2)
             for name, param in model.named_parameters():
                 param.grad = (halves[0][1][name] / 2 + halves[1][1][name] / 2).to(torch.float32)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
-    return losses, plain_state(model)
+    return losses, norms, plain_state(model)
 
 
-def new_accelerator(precision: str, state_dict_type: str, patch: bool = True) -> Any:
-    """A new process group and a new Accelerator with the FSDP1 plugin (accelerate's state reset first)."""
+# What `accelerate launch --use_fsdp --fsdp_version 1 ...` puts in the environment for
+# Accelerator() to build its FSDP plugin from (accelerate/utils/launch.py; accelerator.py's
+# "init from env variables"), and the CPU and precision switches (ACCELERATE_USE_CPU,
+# ACCELERATE_MIXED_PRECISION). The "-env" variants configure accelerate this way.
+_LAUNCH_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "1",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+    "FSDP_USE_ORIG_PARAMS": "false",
+    "ACCELERATE_USE_CPU": "true",
+}
+
+
+def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, from_env: bool = False) -> Any:
+    """A new process group and a new Accelerator with the FSDP1 plugin (accelerate's state reset
+    first); ``from_env``: ``Accelerator()`` builds the plugin from the environment."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     _cpu_shim_accelerate.open_fsdp_on_cpu()
@@ -126,6 +145,11 @@ def new_accelerator(precision: str, state_dict_type: str, patch: bool = True) ->
     else:
         while _PATCH:
             _PATCH.pop().undo()
+    if from_env:
+        os.environ.update(_LAUNCH_ENV, FSDP_STATE_DICT_TYPE=state_dict_type + "_STATE_DICT",
+                          ACCELERATE_MIXED_PRECISION="bf16" if precision == "bf16" else "no")
+        _connect()
+        return Accelerator()
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=1,
         auto_wrap_policy="transformer_based_wrap",
@@ -133,15 +157,19 @@ def new_accelerator(precision: str, state_dict_type: str, patch: bool = True) ->
         state_dict_type=state_dict_type + "_STATE_DICT",
         use_orig_params=False,
     )
-    # Each group rendezvouses through a file of its own (accelerate uses a group it finds): a
-    # second group on torchrun's agent store would find the first group's gloo addresses there
-    # and hang connecting to them.
-    _GROUPS.append(0)
-    dist.init_process_group("gloo", init_method=f"file://{_OUT[0]}/group{len(_GROUPS)}", rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=120))
+    _connect()
     # cpu=True: what `accelerate launch --cpu` sets (ACCELERATE_USE_CPU); without it accelerate
     # on a machine without accelerators makes DistributedType.NO and prepares nothing.
     return Accelerator(cpu=True, mixed_precision="bf16" if precision == "bf16" else "no", fsdp_plugin=plugin)
+
+
+def _connect() -> None:
+    """A new default process group. Each rendezvouses through a file of its own (accelerate uses
+    a group it finds): a second group on torchrun's agent store would find the first group's
+    gloo addresses there and hang connecting to them."""
+    _GROUPS.append(0)
+    dist.init_process_group("gloo", init_method=f"file://{_OUT[0]}/group{len(_GROUPS)}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=120))
 
 
 def end_group(accelerator: Any) -> None:
@@ -159,19 +187,23 @@ def wrapping(model: torch.nn.Module) -> Dict[str, Any]:
             "torch_fsdp1": torch_fsdp}
 
 
-def train(accelerator: Any, model: Any, optimizer: Any, steps: range) -> List[float]:
+def train(accelerator: Any, model: Any, optimizer: Any, steps: range) -> Tuple[List[float], List[float]]:
+    """(the losses, averaged over the ranks; the gradient norms before clipping)."""
     rank = dist.get_rank()
-    losses = []
+    losses: List[float] = []
+    norms: List[float] = []
     for step in steps:
         ids = batch(step)[rank * PER_RANK:(rank + 1) * PER_RANK]
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
+        # FSDP1's root clip_grad_norm_ (accelerator.py's clip_grad_norm_ calls model.clip_grad_norm_)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    return losses
+    return losses, norms
 
 
 def prepared(accelerator: Any, seed: int, model_dtype: torch.dtype) -> Tuple[Any, Any, List[str]]:
@@ -191,13 +223,16 @@ def full_state(accelerator: Any, model: Any) -> Dict[str, torch.Tensor]:
 
 def run_variant(name: str, out: Path) -> Dict[str, Any]:
     precision, sd_type, *rest = name.split("-")
-    model_dtype = torch.bfloat16 if rest == ["bf16model"] else torch.float32
+    model_dtype = torch.bfloat16 if "bf16model" in rest else torch.float32
+    from_env = "env" in rest
     root = out / name
     ckpt = root / "ckpt"
     result: Dict[str, Any] = {}
 
     # 1. uninterrupted, with a save at RESUME_AT
-    accelerator = new_accelerator(precision, sd_type)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env)
+    result["plugin"] = {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version,
+                        "state_dict_type": accelerator.state.fsdp_plugin.state_dict_type.name}
     model, optimizer, result["upcast_warnings"] = prepared(accelerator, 0, model_dtype)
     result["patched_names"] = [name for patch in _PATCH for name in patch.replaced]
     result["wrapping"] = wrapping(model)
@@ -208,10 +243,10 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
                                           if m._has_params})
     result["orig_param_dtypes"] = sorted({str(m._handle._orig_param_dtype) for m in flatshard.ShardedDataParallel.fsdp_modules(model)
                                           if m._has_params})
-    losses = train(accelerator, model, optimizer, range(RESUME_AT))
+    losses, norms = train(accelerator, model, optimizer, range(RESUME_AT))
     accelerator.save_state(str(ckpt))
-    losses += train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
-    result["losses"] = losses
+    more_losses, more_norms = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
+    result["losses"], result["norms"] = losses + more_losses, norms + more_norms
     full = full_state(accelerator, model)
     if accelerator.is_main_process:
         torch.save(full, root / "full.pt")
@@ -221,14 +256,14 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     end_group(accelerator)
 
     # 2. a new group, everything built anew from another seed, load_state, the rest
-    accelerator = new_accelerator(precision, sd_type)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env)
     model, optimizer, _ = prepared(accelerator, 1, model_dtype)
     accelerator.load_state(str(ckpt))
-    result["resumed_losses"] = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
+    result["resumed_losses"], result["resumed_norms"] = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
     resumed = full_state(accelerator, model)
     if accelerator.is_main_process:
         torch.save(resumed, root / "resumed.pt")
-        result["reference_losses"], ref_params = reference(precision, model_dtype)
+        result["reference_losses"], result["reference_norms"], ref_params = reference(precision, model_dtype)
         torch.save(ref_params, root / "reference.pt")
     end_group(accelerator)
     return result
@@ -251,11 +286,11 @@ def run_prewrapped(patch: bool, out: Path) -> Dict[str, Any]:
         result["same_object"] = model is mine
         result["wrapping"] = wrapping(model)
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
-        result["losses"] = train(accelerator, model, optimizer, range(STEPS))
+        result["losses"], result["norms"] = train(accelerator, model, optimizer, range(STEPS))
         full = full_state(accelerator, model)
         if accelerator.is_main_process:
             torch.save(full, out / "full.pt")
-            result["reference_losses"], ref_params = reference("fp32", torch.float32)
+            result["reference_losses"], result["reference_norms"], ref_params = reference("fp32", torch.float32)
             torch.save(ref_params, out / "reference.pt")
         return result
     finally:
@@ -290,12 +325,15 @@ def main() -> None:
     results: Dict[str, Any] = {}
     for name in sys.argv[2:]:
         (out / name).mkdir(parents=True, exist_ok=True)
+        environ = dict(os.environ)  # (accelerate writes settings there; each variant starts clean)
         if name == "prewrapped":
             results[name] = run_prewrapped(True, out / name)
         elif name == "prewrapped_unpatched":
             results[name] = run_prewrapped(False, out / name)
         else:
             results[name] = run_variant(name, out)
+        os.environ.clear()
+        os.environ.update(environ)
     if int(os.environ["RANK"]) == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
