@@ -14,8 +14,9 @@ training the combined batch with plain torch, the parameters' digests, what the 
 produced. ``prewrapped`` and ``prewrapped_unpatched`` are the model wrapped with flatshard first.
 
 Usage: _fw_accelerate_flow.py OUT_DIR VARIANT [VARIANT ...], a variant being
-``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env]`` (``-env``: the plugin from the
-environment, as ``accelerate launch`` configures it), ``prewrapped`` or ``prewrapped_unpatched``; then,
+``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env][-accum]`` (``-env``: the plugin from the
+environment, as ``accelerate launch`` configures it; ``-accum``: each rank's rows in two
+micro-batches, ``accelerator.accumulate``), ``prewrapped`` or ``prewrapped_unpatched``; then,
 in a plain process (no launcher, no process group), ``_fw_accelerate_flow.py --export OUT_DIR
 VARIANT ...`` reads the exports back.
 """
@@ -132,9 +133,10 @@ _LAUNCH_ENV = {
 }
 
 
-def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, from_env: bool = False) -> Any:
+def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, from_env: bool = False, micro: int = 1) -> Any:
     """A new process group and a new Accelerator with the FSDP1 plugin (accelerate's state reset
-    first); ``from_env``: ``Accelerator()`` builds the plugin from the environment."""
+    first); ``from_env``: ``Accelerator()`` builds the plugin from the environment; ``micro``:
+    gradient accumulation steps."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     _cpu_shim_accelerate.open_fsdp_on_cpu()
@@ -160,7 +162,8 @@ def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, fr
     _connect()
     # cpu=True: what `accelerate launch --cpu` sets (ACCELERATE_USE_CPU); without it accelerate
     # on a machine without accelerators makes DistributedType.NO and prepares nothing.
-    return Accelerator(cpu=True, mixed_precision="bf16" if precision == "bf16" else "no", fsdp_plugin=plugin)
+    return Accelerator(cpu=True, mixed_precision="bf16" if precision == "bf16" else "no", fsdp_plugin=plugin,
+                       gradient_accumulation_steps=micro)
 
 
 def _connect() -> None:
@@ -192,18 +195,39 @@ def train(accelerator: Any, model: Any, optimizer: Any, steps: range) -> Tuple[L
     rank = dist.get_rank()
     losses: List[float] = []
     norms: List[float] = []
+    micro = accelerator.gradient_accumulation_steps  # rows of a rank's batch per backward
     for step in steps:
         ids = batch(step)[rank * PER_RANK:(rank + 1) * PER_RANK]
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        # FSDP1's root clip_grad_norm_ (accelerator.py's clip_grad_norm_ calls model.clip_grad_norm_)
-        norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+        total = torch.zeros(())
+        for part in ids.split(PER_RANK // micro):
+            # (accumulating: accelerate runs all but the last backward under FSDP1's root no_sync()
+            # and skips the optimizer's step and zero_grad until the last)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=part, labels=part).loss
+                accelerator.backward(loss)  # (divides by the accumulation steps)
+                if accelerator.sync_gradients:
+                    # FSDP1's root clip_grad_norm_ (accelerator.clip_grad_norm_ calls model.clip_grad_norm_)
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.detach().float() / micro
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
     return losses, norms
+
+
+def count_no_sync(model: Any) -> List[int]:
+    """A one-element list that counts the calls of the wrapper's ``no_sync`` (what accelerate's
+    ``accumulate`` enters on the FSDP1 root between synchronising steps)."""
+    calls = [0]
+    original = model.no_sync
+
+    def no_sync() -> Any:
+        calls[0] += 1
+        return original()
+
+    model.no_sync = no_sync
+    return calls
 
 
 def prepared(accelerator: Any, seed: int, model_dtype: torch.dtype) -> Tuple[Any, Any, List[str]]:
@@ -225,12 +249,13 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     precision, sd_type, *rest = name.split("-")
     model_dtype = torch.bfloat16 if "bf16model" in rest else torch.float32
     from_env = "env" in rest
+    micro = 2 if "accum" in rest else 1
     root = out / name
     ckpt = root / "ckpt"
     result: Dict[str, Any] = {}
 
     # 1. uninterrupted, with a save at RESUME_AT
-    accelerator = new_accelerator(precision, sd_type, from_env=from_env)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro)
     result["plugin"] = {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version,
                         "state_dict_type": accelerator.state.fsdp_plugin.state_dict_type.name}
     model, optimizer, result["upcast_warnings"] = prepared(accelerator, 0, model_dtype)
@@ -243,6 +268,7 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
                                           if m._has_params})
     result["orig_param_dtypes"] = sorted({str(m._handle._orig_param_dtype) for m in flatshard.ShardedDataParallel.fsdp_modules(model)
                                           if m._has_params})
+    result["no_sync_calls"] = count_no_sync(model)
     losses, norms = train(accelerator, model, optimizer, range(RESUME_AT))
     accelerator.save_state(str(ckpt))
     more_losses, more_norms = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
@@ -256,7 +282,7 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     end_group(accelerator)
 
     # 2. a new group, everything built anew from another seed, load_state, the rest
-    accelerator = new_accelerator(precision, sd_type, from_env=from_env)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro)
     model, optimizer, _ = prepared(accelerator, 1, model_dtype)
     accelerator.load_state(str(ckpt))
     result["resumed_losses"], result["resumed_norms"] = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
