@@ -14,9 +14,10 @@ training the combined batch with plain torch, the parameters' digests, what the 
 produced. ``prewrapped`` and ``prewrapped_unpatched`` are the model wrapped with flatshard first.
 
 Usage: _fw_accelerate_flow.py OUT_DIR VARIANT [VARIANT ...], a variant being
-``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env][-accum]`` (``-env``: the plugin from the
+``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env][-accum][-together]`` (``-env``: the plugin from the
 environment, as ``accelerate launch`` configures it; ``-accum``: each rank's rows in two
-micro-batches, ``accelerator.accumulate``), ``prewrapped`` or ``prewrapped_unpatched``; then,
+micro-batches, ``accelerator.accumulate``; ``-together``: use_orig_params=True and
+``prepare(model, optimizer)`` in one call), ``prewrapped`` or ``prewrapped_unpatched``; then,
 in a plain process (no launcher, no process group), ``_fw_accelerate_flow.py --export OUT_DIR
 VARIANT ...`` reads the exports back.
 """
@@ -133,10 +134,11 @@ _LAUNCH_ENV = {
 }
 
 
-def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, from_env: bool = False, micro: int = 1) -> Any:
+def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, from_env: bool = False, micro: int = 1,
+                    orig_params: bool = False) -> Any:
     """A new process group and a new Accelerator with the FSDP1 plugin (accelerate's state reset
     first); ``from_env``: ``Accelerator()`` builds the plugin from the environment; ``micro``:
-    gradient accumulation steps."""
+    gradient accumulation steps; ``orig_params``: the plugin's use_orig_params."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     _cpu_shim_accelerate.open_fsdp_on_cpu()
@@ -157,7 +159,7 @@ def new_accelerator(precision: str, state_dict_type: str, patch: bool = True, fr
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         state_dict_type=state_dict_type + "_STATE_DICT",
-        use_orig_params=False,
+        use_orig_params=orig_params,
     )
     _connect()
     # cpu=True: what `accelerate launch --cpu` sets (ACCELERATE_USE_CPU); without it accelerate
@@ -230,13 +232,20 @@ def count_no_sync(model: Any) -> List[int]:
     return calls
 
 
-def prepared(accelerator: Any, seed: int, model_dtype: torch.dtype) -> Tuple[Any, Any, List[str]]:
-    """(the prepared model, its prepared AdamW, the upcast warnings accelerate gave)."""
+def prepared(accelerator: Any, seed: int, model_dtype: torch.dtype, together: bool = False) -> Tuple[Any, Any, List[str]]:
+    """(the prepared model, its prepared AdamW, the upcast warnings accelerate gave).
+    ``together``: the optimizer built from the unwrapped model and prepared with it in one call
+    (needs use_orig_params=True, as with torch's FSDP1); otherwise built from the prepared model."""
+    model = tiny_llama(seed, model_dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = accelerator.prepare(tiny_llama(seed, model_dtype))
+        if together:
+            model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        else:
+            model = accelerator.prepare(model)
     upcasts = [str(w.message) for w in caught if "Upcasted low precision parameters" in str(w.message)]
-    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
+    if not together:
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=LR))
     return model, optimizer, upcasts
 
 
@@ -250,15 +259,16 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     model_dtype = torch.bfloat16 if "bf16model" in rest else torch.float32
     from_env = "env" in rest
     micro = 2 if "accum" in rest else 1
+    together = "together" in rest
     root = out / name
     ckpt = root / "ckpt"
     result: Dict[str, Any] = {}
 
     # 1. uninterrupted, with a save at RESUME_AT
-    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro, orig_params=together)
     result["plugin"] = {"fsdp_version": accelerator.state.fsdp_plugin.fsdp_version,
                         "state_dict_type": accelerator.state.fsdp_plugin.state_dict_type.name}
-    model, optimizer, result["upcast_warnings"] = prepared(accelerator, 0, model_dtype)
+    model, optimizer, result["upcast_warnings"] = prepared(accelerator, 0, model_dtype, together)
     result["patched_names"] = [name for patch in _PATCH for name in patch.replaced]
     result["wrapping"] = wrapping(model)
     result["is_fsdp"] = str(accelerator.distributed_type)
@@ -282,8 +292,8 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     end_group(accelerator)
 
     # 2. a new group, everything built anew from another seed, load_state, the rest
-    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro)
-    model, optimizer, _ = prepared(accelerator, 1, model_dtype)
+    accelerator = new_accelerator(precision, sd_type, from_env=from_env, micro=micro, orig_params=together)
+    model, optimizer, _ = prepared(accelerator, 1, model_dtype, together)
     accelerator.load_state(str(ckpt))
     result["resumed_losses"], result["resumed_norms"] = train(accelerator, model, optimizer, range(RESUME_AT, STEPS))
     resumed = full_state(accelerator, model)

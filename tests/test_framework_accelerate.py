@@ -22,7 +22,8 @@ accelerate's upcast block in ``prepare_model`` really upcasts: ``_has_params``, 
 with and without the patch. fp32 and bf16 with SHARDED and FULL state dicts, and bf16 FULL on a
 bf16 model, run with FLATSHARD_FRAMEWORKS_ALL=1, and bf16 SHARDED with the plugin built from the environment as
 ``accelerate launch --use_fsdp --fsdp_version 1`` sets it, and fp32 SHARDED accumulating gradients
-over two micro-batches (``accelerator.accumulate``: FSDP1's ``no_sync``).
+over two micro-batches (``accelerator.accumulate``: FSDP1's ``no_sync``), and use_orig_params=True
+with ``prepare(model, optimizer)`` in one call (fp32 FULL; bf16 SHARDED on a bf16 model).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ ALL_REASON = "the longer accelerate variants run with FLATSHARD_FRAMEWORKS_ALL=1
 
 DEFAULT_VARIANTS = ["bf16-SHARDED-bf16model"]
 # (-env: the plugin built by Accelerator() from what `accelerate launch --use_fsdp --fsdp_version 1`
-# puts in the environment; -accum: accelerator.accumulate over two micro-batches, FSDP1's no_sync)
+# puts in the environment; -accum: accelerator.accumulate over two micro-batches, FSDP1's no_sync;
+# -together: use_orig_params=True and prepare(model, optimizer) in one call, the optimizer built
+# before wrapping -- with a bf16 model, the upcast then rebinds what that optimizer holds)
 ALL_VARIANTS = ["fp32-SHARDED", "fp32-FULL", "bf16-SHARDED", "bf16-FULL", "bf16-FULL-bf16model", "bf16-SHARDED-env",
-                "fp32-SHARDED-accum"]
+                "fp32-SHARDED-accum", "fp32-FULL-together", "bf16-SHARDED-bf16model-together"]
 STEPS, RESUME_AT = 4, 2  # as in the flow
 
 
@@ -186,6 +189,15 @@ def test_exports_load_without_a_process_group(variant):
     _, _, _, exported, everything = variant
     assert everything["distributed_initialized"] is False
     assert exported == {"pretrained_equal": True, "save_model_equal": True, "pretrained_dtype": "torch.float32"}
+
+
+@pytest.mark.skipif(not ALL, reason=ALL_REASON)
+def test_bf16_model_is_upcast_with_orig_params_too(all_run):
+    _, results = all_run
+    for name in ("bf16-FULL-bf16model", "bf16-SHARDED-bf16model-together"):
+        result = results[name]
+        assert len(result["upcast_warnings"]) == 2, name
+        assert result["flat_param_dtypes"] == result["orig_param_dtypes"] == ["torch.float32"], name
 
 
 def test_bf16_model_is_upcast_through_fsdp1s_surface(default_run):
