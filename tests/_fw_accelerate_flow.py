@@ -9,9 +9,10 @@ Each variant named on the command line runs here in turn, each in process groups
 2. that group destroyed, accelerate's state reset; a new group, a new ``Accelerator``, a model
    built from another seed, ``load_state``, the remaining steps trained.
 
-Rank 0 writes, per variant, what the test asserts: the losses of both runs and of one process
-training the combined batch with plain torch, the parameters' digests, what the wrapping
-produced. ``prewrapped`` and ``prewrapped_unpatched`` are the model wrapped with flatshard first.
+Rank 0 writes what the test asserts: results.json (per variant: the losses and gradient norms of
+both runs and of one process training the combined batch with plain torch, what the wrapping
+produced, the upcast warnings), and per variant full.pt (the trained full state dict),
+resumed.pt (after the resume) and reference.pt (the one-process parameters). ``prewrapped`` and ``prewrapped_unpatched`` are the model wrapped with flatshard first.
 
 Usage: _fw_accelerate_flow.py OUT_DIR VARIANT [VARIANT ...], a variant being
 ``<fp32|bf16>-<SHARDED|FULL>[-bf16model][-env][-accum][-together]`` (``-env``: the plugin from the
@@ -62,7 +63,6 @@ _PATCH: List[Any] = []  # the one patch_torch_fsdp() call that replaced torch's 
 STEPS, RESUME_AT, LR = 4, 2, 1e-2
 MAX_NORM = 1.0  # below the gradients' norms here: clipping changes every step
 VOCAB, SEQ, PER_RANK = 128, 8, 2
-
 
 
 def tiny_llama(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -272,8 +272,7 @@ def run_variant(name: str, out: Path) -> Dict[str, Any]:
     result["patched_names"] = [name for patch in _PATCH for name in patch.replaced]
     result["wrapping"] = wrapping(model)
     result["is_fsdp"] = str(accelerator.distributed_type)
-    inner = accelerator.unwrap_model(model)
-    result["unwrapped_is_plain"] = not isinstance(inner, flatshard.ShardedDataParallel)
+    result["unwrapped_is_plain"] = type(accelerator.unwrap_model(model)) is transformers.LlamaForCausalLM
     result["flat_param_dtypes"] = sorted({str(m._flat_param.dtype) for m in flatshard.ShardedDataParallel.fsdp_modules(model)
                                           if m._has_params})
     result["orig_param_dtypes"] = sorted({str(m._handle._orig_param_dtype) for m in flatshard.ShardedDataParallel.fsdp_modules(model)
