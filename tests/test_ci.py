@@ -21,7 +21,8 @@ def test_ci_runs_the_readme_commands_verbatim():
     example, suite = commands
     assert example.endswith("python examples/train_gpt.py")
     assert suite.endswith("python -m pytest tests")
-    assert '".[test,hf]"' in suite  # the Hugging Face tests (tests/test_hf.py) run in CI too
+    # the Hugging Face tests (tests/test_hf.py) and the framework flows (tests/test_framework_*.py) run in CI too
+    assert '".[test,hf,frameworks]"' in suite
     assert "torch==2.13.0" in suite  # on the same pip command: the hf extra keeps the CPU build
 
 
