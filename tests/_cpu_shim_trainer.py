@@ -4,16 +4,8 @@ without accelerators. Never import it from flatshard/ or from user code.
 
 What it opens, and nothing else (two gates):
 
-1. accelerate's ``AcceleratorState.__init__`` sets
-``distributed_type = DistributedType.FSDP`` only when the launch is a multi-accelerator one
-(``MULTI_GPU``, ``MULTI_XPU``, ...; accelerate/state.py, the branch that tests
-``fsdp_plugin is not None``). A 2-process CPU launch is ``MULTI_CPU``, so the plugin is dropped and
-the model would be wrapped in DDP. After the original ``__init__``, this shim does what that branch
-does for accelerators: on ``MULTI_CPU`` with an FSDP plugin it sets ``DistributedType.FSDP``
-(in ``PartialState``'s shared state too, as the original does at its end), hands the
-mixed-precision setting to the plugin and keeps the plugin. Everything downstream
-(``prepare_model``, ``save_fsdp_model``, the Trainer's checkpoints) is accelerate's own code,
-unchanged.
+1. accelerate's ``AcceleratorState.__init__`` sets ``DistributedType.FSDP`` only on accelerators:
+   ``tests/_cpu_shim_accelerate.py`` (``open_fsdp_on_cpu``) opens it, as for the accelerate flows.
 2. ``FullyShardedDataParallelPlugin.__post_init__`` (accelerate/utils/dataclasses.py), with
    ``sync_module_states=True`` (the Trainer's FSDP1 default), asks the accelerator for its current
    device to build ``param_init_fn = lambda m: m.to_empty(device=..., recurse=False)``, and raises
@@ -21,49 +13,34 @@ unchanged.
    ``sync_module_states`` off and then sets it back and builds the same ``param_init_fn`` for the
    CPU device, which is what that branch would have built on an accelerator.
 
-``install()`` is idempotent and returns a function that undoes it.
+``install()`` is idempotent. Everything downstream (``prepare_model``, ``save_fsdp_model``, the
+Trainer's checkpoints) is accelerate's own code, unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 try:  # the frameworks extra (pip install flatshard[frameworks]); the Trainer tests skip without it
-    from accelerate import state as accelerate_state
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin
 except ImportError as missing:
     raise SystemExit(f"the CPU shim for accelerate needs accelerate (pip install flatshard[frameworks]): {missing}") from None
+
+from tests import _cpu_shim_accelerate
 
 _MARK = "_flatshard_test_cpu_fsdp_shim"
 
 
-def install() -> Callable[[], None]:
-    """Open accelerate's FSDP path on ``MULTI_CPU`` (test-only; see the module docstring)."""
-    cls = accelerate_state.AcceleratorState
-    original = cls.__init__
-    if getattr(original, _MARK, False):
-        return lambda: None
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        plugin = kwargs.get("fsdp_plugin")
-        if plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
-            return
-        self.distributed_type = DistributedType.FSDP
-        if self._mixed_precision != "no":
-            plugin.set_mixed_precision(self._mixed_precision)
-        self.fsdp_plugin = plugin
-        # As the original's last line: every later AcceleratorState() copies PartialState's
-        # shared state over its own, so the FSDP type must be there too or it reverts.
-        accelerate_state.PartialState._shared_state["distributed_type"] = self.distributed_type
-
-    setattr(__init__, _MARK, True)
-    cls.__init__ = __init__
-
+def install() -> None:
+    """Open accelerate's FSDP path on ``MULTI_CPU`` for the Trainer (test-only; see the module
+    docstring)."""
+    _cpu_shim_accelerate.open_fsdp_on_cpu()
     plugin_cls = FullyShardedDataParallelPlugin
     original_post_init = plugin_cls.__post_init__
+    if getattr(original_post_init, _MARK, False):
+        return
 
     def __post_init__(self: Any) -> None:
         sync = self.sync_module_states
@@ -74,10 +51,5 @@ def install() -> Callable[[], None]:
             cpu = torch.device("cpu")
             self.param_init_fn = lambda module: module.to_empty(device=cpu, recurse=False)
 
+    setattr(__post_init__, _MARK, True)
     plugin_cls.__post_init__ = __post_init__
-
-    def undo() -> None:
-        cls.__init__ = original
-        plugin_cls.__post_init__ = original_post_init
-
-    return undo

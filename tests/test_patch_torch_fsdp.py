@@ -136,14 +136,19 @@ def _upcast_like_accelerate(rank, world_size):
 
 
 def _surface_errors(rank, world_size):
+    """A unit with frozen and trainable parameters (LoRA beside a frozen base) gives its trainable
+    FlatParameter, which accelerate's upcast acts on; one with two trainable dtypes raises."""
     model = build(frozen_blocks=[0])
     model.blocks[0].fc1.weight.requires_grad_(True)  # block 0: frozen and trainable parameters in one unit
+    model.blocks[1].fc2.double()  # block 1: two trainable dtypes
     wrapped = ShardedDataParallel(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True)
-    unit = wrapped.module.blocks[0]
-    messages = [error_text(lambda: unit._flat_param, ValueError), error_text(lambda: unit._handle, ValueError)]
+    mixed = wrapped.module.blocks[0]
+    given = (mixed._flat_param is mixed._handle.flat_param, mixed._flat_param.requires_grad, list(mixed._flat_param._fqns))
+    two_dtypes = wrapped.module.blocks[1]
+    messages = [error_text(lambda: two_dtypes._flat_param, ValueError), error_text(lambda: two_dtypes._handle, ValueError)]
     handle = ShardedDataParallel.fsdp_modules(wrapped)[0]._handle
     messages.append(error_text(lambda: setattr(handle, "_orig_param_dtype", torch.float64), ValueError))
-    return messages
+    return given, messages
 
 
 def _second_fsdp(rank, world_size):
@@ -165,6 +170,38 @@ def _second_fsdp(rank, world_size):
     return messages
 
 
+def _upcast_beside_frozen(rank, world_size):
+    """LoRA under accelerate's bf16: frozen and trainable parameters in one unit (two
+    FlatParameters), the model loaded in bf16, accelerate's upcast through ``_flat_param`` /
+    ``_handle``. Training equals the same model upcast before wrapping, bit for bit (the
+    computation is in bf16 either way; the frozen parameters' values are the same)."""
+    from flatshard import MixedPrecision
+
+    def made(upcast_first):
+        model = build(frozen_blocks=(0, 1))
+        for block in model.blocks[:2]:
+            block.fc1.weight.requires_grad_(True)  # the "adapter" beside a frozen base
+        model.to(torch.bfloat16)
+        if upcast_first:
+            model.float()
+        return ShardedDataParallel(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True,
+                                   mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, cast_forward_inputs=True))
+
+    model, reference = made(False), made(True)
+    for unit in ShardedDataParallel.fsdp_modules(model):  # accelerator.py:2000-2038, as written there
+        if not unit._has_params:
+            continue
+        param = unit._flat_param
+        if param.dtype != torch.float32 and param.requires_grad:
+            param.data = param.data.to(torch.float32)
+            unit._handle._orig_param_dtype = torch.float32
+    trainable = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
+    losses, params = _train(model, world_size, 3, 1, rank), full_params(model)
+    ref_losses, ref_params = _train(reference, world_size, 3, 1, rank), full_params(reference)
+    same = losses == ref_losses and all(torch.equal(params[n].float(), ref_params[n].float()) for n in ref_params)
+    return trainable, same
+
+
 class FrameworkSurfaceTest(TestCase):
     def test_a_framework_style_build_after_the_patch_trains_like_one_process(self):
         results = self.pool.run(_framework_style_build, 2)
@@ -182,11 +219,17 @@ class FrameworkSurfaceTest(TestCase):
         self.assertEqual(dtypes, ["torch.float32"])
         assert_same_training(reference, trained)
 
+    def test_accelerates_upcast_beside_frozen_parameters(self):
+        trainable, same = self.pool.run(_upcast_beside_frozen, 2)[0]
+        self.assertEqual(trainable, ["torch.float32"])
+        self.assertTrue(same)
+
     def test_a_unit_with_several_flat_parameters_says_why(self):
-        messages = self.pool.run(_surface_errors, 2)[0]
+        given, messages = self.pool.run(_surface_errors, 2)[0]
+        self.assertEqual(given, (True, True, ["fc1.weight"]))
         self.assertExpectedInline("\n".join(messages), """\
-_flat_param of unit 'blocks.0': FSDP1 has one FlatParameter per wrapper, this unit has 2 (torch.float32 requires_grad=False, torch.float32 requires_grad=True), one per dtype and requires_grad value, so there is no single one to give. Use .handles; code written for FSDP1 that reads _flat_param (accelerate's prepare_model under mixed precision) needs each unit's parameters to share dtype and requires_grad
-_handle of unit 'blocks.0': FSDP1 has one FlatParameter per wrapper, this unit has 2 (torch.float32 requires_grad=False, torch.float32 requires_grad=True), one per dtype and requires_grad value, so there is no single one to give. Use .handles; code written for FSDP1 that reads _handle (accelerate's prepare_model under mixed precision) needs each unit's parameters to share dtype and requires_grad
+_flat_param of unit 'blocks.1': FSDP1 has one FlatParameter per wrapper, in one dtype; this unit has 2 (torch.float32 requires_grad=True, torch.float64 requires_grad=True), so there is no one FlatParameter to give. Use .handles; code written for FSDP1 that reads _flat_param (accelerate's prepare_model under mixed precision, accelerator.py:2022) needs each unit's trainable parameters to share one dtype
+_handle of unit 'blocks.1': FSDP1 has one FlatParameter per wrapper, in one dtype; this unit has 2 (torch.float32 requires_grad=True, torch.float64 requires_grad=True), so there is no one FlatParameter to give. Use .handles; code written for FSDP1 that reads _handle (accelerate's prepare_model under mixed precision, accelerator.py:2022) needs each unit's trainable parameters to share one dtype
 [rank 0] _orig_param_dtype = torch.float64 for the FlatParameter (torch.float32, requires_grad=True: embed.weight (13, 8), norm.weight (8,), norm.bias (8,), head.weight = embed.weight): its .data is torch.float32; rebind the FlatParameter's .data to torch.float64 first (as accelerate does)""")
 
     def test_a_second_fsdp_is_refused_naming_the_patch(self):

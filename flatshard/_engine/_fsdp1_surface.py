@@ -8,9 +8,16 @@ build torch's FSDP1 and then read a few of its private attributes. After
 names, which must not fall through to the wrapped module (``ShardedDataParallel.__getattr__``
 forwards unknown names there, so ``_has_params`` would name the user's model in an
 AttributeError). Each name here has FSDP1's meaning; docs/migrating.md lists them with the
-framework and the line that reads them. FSDP1 has one FlatParameter per wrapper; a flatshard
-unit has one per dtype and ``requires_grad`` value, so ``_flat_param`` and ``_handle`` of a
-unit with several raise and say why, rather than give one of them.
+framework and the line that reads them.
+
+FSDP1 has one FlatParameter per wrapper (one dtype; with ``use_orig_params`` it may mix frozen
+and trainable parameters, and then requires grad). A flatshard unit has one per dtype and
+``requires_grad`` value, so a unit mixing frozen and trainable parameters (LoRA adapters beside a
+frozen base) has two. ``_flat_param`` and ``_handle`` then give the trainable one, which is what
+accelerate's mixed-precision upcast acts on (FSDP1's single FlatParameter requires grad); the
+frozen one keeps its dtype, which the computation never sees (mixed precision casts both to
+``param_dtype``). A unit with more than one trainable, or only frozen ones in several dtypes, has
+nothing FSDP1 could have had: those raise and say why.
 """
 
 from __future__ import annotations
@@ -58,15 +65,18 @@ class FSDP1Surface(nn.Module):
 
 def _only_handle(unit: Unit, attribute: str) -> Optional[FlatParamHandle]:
     handles = unit.handles
-    if len(handles) > 1:
-        kinds = ", ".join(f"{h.dtype} requires_grad={h.requires_grad}" for h in handles)
-        raise ValueError(
-            f"{attribute} of unit {display_name(unit.name)}: FSDP1 has one FlatParameter per wrapper, this unit has "
-            f"{len(handles)} ({kinds}), one per dtype and requires_grad value, so there is no single one to give. "
-            f"Use .handles; code written for FSDP1 that reads {attribute} (accelerate's prepare_model under mixed "
-            f"precision) needs each unit's parameters to share dtype and requires_grad"
-        )
-    return handles[0] if handles else None
+    if len(handles) <= 1:
+        return handles[0] if handles else None
+    trainable = [h for h in handles if h.requires_grad]
+    if len(trainable) == 1:  # (frozen beside trainable: see [Note: FSDP1's private surface])
+        return trainable[0]
+    kinds = ", ".join(f"{h.dtype} requires_grad={h.requires_grad}" for h in handles)
+    raise ValueError(
+        f"{attribute} of unit {display_name(unit.name)}: FSDP1 has one FlatParameter per wrapper, in one dtype; "
+        f"this unit has {len(handles)} ({kinds}), so there is no one FlatParameter to give. Use .handles; code "
+        f"written for FSDP1 that reads {attribute} (accelerate's prepare_model under mixed precision, "
+        f"accelerator.py:2022) needs each unit's trainable parameters to share one dtype"
+    )
 
 
 def show_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
