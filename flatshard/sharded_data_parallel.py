@@ -620,9 +620,9 @@ class ShardedDataParallel(FSDP1Surface):
         parameter IDs (``PARAM_ID``: positions in the optimizer's parameter order), e.g. to
         load a full state dict of a ``ShardedDataParallel`` model into a plain optimizer, or
         the reverse. ``model`` may be the plain model or, as in FSDP1, the wrapped one: with
-        ``use_orig_params`` the IDs are then the plain optimizer's; without, each
-        ``FlatParameter`` stands for its original parameters in flattening order (FSDP1 raises
-        there), so a dict rekeyed to IDs and back keeps its names.
+        ``use_orig_params`` the IDs are then the optimizer's order, as in FSDP1; without, each
+        ``FlatParameter`` stands for its original parameters, in the plain model's order within
+        each param group (FSDP1 raises there), so the IDs are a plain optimizer's either way.
 
         Args:
             optim_state_dict: the optimizer state dict.

@@ -184,6 +184,16 @@ def _rekey_wrapped(rank, world_size, orig):
         named = ShardedDataParallel.optim_state_dict(model, optim)
     by_id = ShardedDataParallel.rekey_optim_state_dict(named, OptimStateKeyType.PARAM_ID, model)
     back = ShardedDataParallel.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model)
+    # The IDs are a plain optimizer's (the root unit's parameters come first in flattening order,
+    # not in the model): the plain optimizer's own dict names the same parameters either way.
+    plain_ids = plain_optim.state_dict()
+    plain_names = ShardedDataParallel.rekey_optim_state_dict(plain_ids, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim)
+    wrapped_names = ShardedDataParallel.rekey_optim_state_dict(plain_ids, OptimStateKeyType.PARAM_NAME, model)
+    assert list(wrapped_names["state"]) == list(plain_names["state"]), (list(wrapped_names["state"]), list(plain_names["state"]))
+    assert all(wrapped_names["state"][n] is plain_names["state"][n] for n in plain_names["state"])
+    assert sorted(by_id["state"]) == sorted(plain_ids["state"])
+    for pid, state in by_id["state"].items():
+        torch.testing.assert_close(state["exp_avg"], plain_ids["state"][pid]["exp_avg"], **TOL)
     assert sorted(back["state"]) == sorted(named["state"]) and sorted(back["param_groups"][0]["params"]) == sorted(named["param_groups"][0]["params"])
     fresh = _wrapped(seed=4, orig=orig)
     fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)

@@ -689,12 +689,19 @@ def optimizer_names(model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) 
     model (Lightning passes one): a parameter's ID is its position in the optimizer's order.
     With ``use_orig_params`` the optimizer holds the original parameters, so that is FSDP1's
     rule as it is. Otherwise it holds FlatParameters, where FSDP1 raises as soon as one holds
-    more than one parameter; here each stands for its original parameters in flattening order,
-    so IDs count original parameters and a dict rekeyed to IDs and back gives the same names."""
+    more than one parameter; here each stands for its original parameters, and a param group
+    holding FlatParameters lists them in the plain model's order (a root unit's parameters come
+    first in flattening order, but not in the model), so the IDs are those of a plain optimizer
+    built from the same parameters, whatever ``use_orig_params`` was."""
     ordered = [p for g in groups for p in g]
     if named_units(model):
         index = OptimStateIndex(model)
-        return [name for param in ordered for name in index.names_of(param)]
+        names: List[str] = []
+        for group in groups:
+            expanded = [name for param in group for name in index.names_of(param)]
+            flat = any(isinstance(param, FlatParameter) for param in group)
+            names.extend(index.sort(expanded) if flat else expanded)
+        return names
     name_of = {id(p): clean_name(name) for name, p in model.named_parameters()}  # (checkpoint / compile wrappers)
     for pid, param in enumerate(ordered):
         if id(param) not in name_of:
