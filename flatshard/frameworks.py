@@ -54,8 +54,9 @@ class TorchFSDPPatch:
             return
         self._undone = True
         for module, name in reversed(self._replaced):
-            if module.__dict__.get(name) is ShardedDataParallel:
-                setattr(module, name, self._torch_class)
+            namespace = _namespace(module)
+            if namespace.get(name) is ShardedDataParallel:
+                namespace[name] = self._torch_class
 
     def __enter__(self) -> "TorchFSDPPatch":
         return self
@@ -101,28 +102,39 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
     if current is ShardedDataParallel:
         return TorchFSDPPatch(None, [])
     torch_class = importlib.import_module(_TORCH_PATHS[1]).__dict__[_CLASS_NAME]
-    replaced: List[Tuple[ModuleType, str]] = []
-    for path in _TORCH_PATHS:
-        module = importlib.import_module(path)
-        if module.__dict__.get(_CLASS_NAME) is torch_class:
-            setattr(module, _CLASS_NAME, ShardedDataParallel)
-            replaced.append((module, _CLASS_NAME))
-    for module in _modules_outside_torch():
-        for name, value in list(vars(module).items()):
-            if value is torch_class:
-                setattr(module, name, ShardedDataParallel)
-                replaced.append((module, name))
-    return TorchFSDPPatch(torch_class, replaced)
+    targets = [(importlib.import_module(path), _CLASS_NAME) for path in _TORCH_PATHS]
+    for module, namespace in _modules_outside_torch():
+        targets.extend((module, name) for name, value in list(namespace.items()) if value is torch_class)
+    patch = TorchFSDPPatch(torch_class, [])
+    try:  # (all or nothing: a failure puts back what was replaced before it)
+        for module, name in targets:
+            if _namespace(module).get(name) is torch_class:
+                _namespace(module)[name] = ShardedDataParallel
+                patch._replaced.append((module, name))
+    except BaseException:
+        patch.undo()
+        raise
+    return patch
 
 
-def _modules_outside_torch() -> List[ModuleType]:
-    """Imported modules (a snapshot) outside torch and flatshard."""
+def _namespace(module: ModuleType) -> dict:  # type: ignore[type-arg]
+    # Read without the module's own attribute access: a lazily loaded module
+    # (importlib.util.LazyLoader) would load itself on any attribute read.
+    return object.__getattribute__(module, "__dict__")
+
+
+def _modules_outside_torch() -> List[Tuple[ModuleType, dict]]:  # type: ignore[type-arg]
+    """Imported modules (a snapshot) outside torch and flatshard, with their namespaces."""
     found = []
     for name, module in list(sys.modules.items()):
         top = name.partition(".")[0]
         if top in ("torch", "flatshard") or not isinstance(module, ModuleType):
             continue
-        if isinstance(getattr(module, "__dict__", None), dict):
-            found.append(module)
+        try:
+            namespace = _namespace(module)
+        except AttributeError:
+            continue
+        if isinstance(namespace, dict):
+            found.append((module, namespace))
     return found
 

@@ -63,6 +63,30 @@ class PatchTest(TestCase):
         finally:
             del sys.modules[early.__name__]
 
+    def test_a_lazily_loaded_module_is_not_loaded_by_the_patch(self):
+        import importlib.abc
+        import importlib.util
+
+        loaded = []
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                loaded.append(module.__name__)
+
+        spec = importlib.util.spec_from_loader("lazily_loaded_framework", importlib.util.LazyLoader(Loader()))
+        lazy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(lazy)
+        sys.modules[spec.name] = lazy
+        try:
+            with flatshard.patch_torch_fsdp() as patch:
+                self.assertEqual(len(patch.replaced), 2)
+            self.assertEqual(loaded, [])
+        finally:
+            del sys.modules[spec.name]
+
     def test_idempotent_undoable_and_a_context_manager(self):
         with flatshard.patch_torch_fsdp() as outer:
             inner = flatshard.patch_torch_fsdp()
