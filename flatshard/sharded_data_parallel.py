@@ -23,7 +23,7 @@ from ._build._node_groups import NodeGroups
 from ._base._options import ConstructionOptions
 from ._build._planning import make_plan, unit_options
 from ._engine._forward import run_forward
-from ._engine._fsdp1_surface import FSDP1Surface, show_forward_signature
+from ._engine._fsdp1_surface import FSDP1Surface, SignedForward, show_forward_signature
 from ._engine._runtime import no_sync
 from ._engine._stale_optimizer import StaleOptimizerCheck, watch_stale_optimizers
 from ._checkpoint._optim_dicts import (
@@ -257,6 +257,7 @@ class ShardedDataParallel(FSDP1Surface):
 
     # -- running ------------------------------------------------------------------------------
 
+    @SignedForward  # (inspect.signature shows the wrapped module's: [Note: the forward signature])
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Dynamo traces this method when the model is compiled: see [Note: torch.compile] in _runtime.
         unit, module = self._unit, self._fsdp_wrapped_module

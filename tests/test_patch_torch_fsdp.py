@@ -187,6 +187,12 @@ def _second_fsdp(rank, world_size):
         error_text(lambda: fully_shard(model), ValueError),
     ]
     checkpoint(model.module.blocks[0].module.fc2)  # other composable APIs are let through
+    # a composable API applied before wrapping keeps working, and fully_shard is still refused there
+    early = build()
+    checkpoint(early.blocks[1].fc1)
+    early = ShardedDataParallel(early, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
+    early(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    messages.append(error_text(lambda: fully_shard(early.module.blocks[1].module.fc1), ValueError))
     # torch FSDP1 wrapping a module inside a unit on its own: the first forward refuses
     inner = ShardedDataParallel(build(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
     inner.module.blocks[0].module.norm.__dict__["_is_fsdp_managed_module"] = True  # (what torch's constructor writes)
@@ -263,6 +269,7 @@ torch's FullyShardedDataParallel is wrapping a model that holds a flatshard Shar
 torch's FullyShardedDataParallel is wrapping a model that holds a flatshard ShardedDataParallel: a model must not be sharded twice. Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model
 torch's fully_shard() was applied to 'blocks.1.fc1' (Linear), which flatshard already shards: a model must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the framework (Trainer: fsdp_config={'version': 1}; accelerate: fsdp_version=1) and call flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model
 torch's fully_shard() was applied to the model (ShardedDataParallel), which flatshard already shards: a model must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the framework (Trainer: fsdp_config={'version': 1}; accelerate: fsdp_version=1) and call flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model
+torch's fully_shard() was applied to 'blocks.1.fc1' (Linear), which flatshard already shards: a model must not be sharded twice. flatshard takes FSDP1's place only: choose FSDP version 1 in the framework (Trainer: fsdp_config={'version': 1}; accelerate: fsdp_version=1) and call flatshard.patch_torch_fsdp() before it runs, or pass the framework the unwrapped model
 'blocks.0.norm' (LayerNorm), inside a flatshard model, was wrapped by another FSDP implementation (torch's FullyShardedDataParallel marked it): a model must not be sharded twice. Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model""")
 
 

@@ -71,8 +71,8 @@ class _RefusingStates(dict):  # type: ignore[type-arg]
 
     __slots__ = ("_where",)
 
-    def __init__(self, where: str = "a module") -> None:
-        super().__init__()
+    def __init__(self, where: str = "a module", states: Any = ()) -> None:
+        super().__init__(states)  # (the states of composable APIs applied before wrapping)
         self._where = where
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
@@ -106,10 +106,10 @@ def mark_fsdp_managed(root: nn.Module, use_orig_params: bool) -> None:
     for name, module in root.named_modules():
         module.__dict__["_is_fsdp_managed_module"] = flag
         module.__dict__["_fsdp_use_orig_params"] = use_orig_params
-        if state_key is not None:
-            states = module.__dict__.get(state_key)
-            if states is None or (type(states) is dict and not states):
-                module.__dict__[state_key] = _RefusingStates(f"'{clean_name(name)}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})")
+        states = module.__dict__.get(state_key) if state_key is not None else None
+        if state_key is not None and not isinstance(states, _RefusingStates) and isinstance(states, (dict, type(None))):
+            where = f"'{clean_name(name)}' ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
+            module.__dict__[state_key] = _RefusingStates(where, states or ())
 
 
 def refuse_marker_write(wrapper: nn.Module, name: str, value: Any) -> None:

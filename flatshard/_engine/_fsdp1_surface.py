@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -33,7 +33,7 @@ from .._base._fsdp_markers import refuse_marker_write
 from .._flat._flat_param import FlatParameter, FlatParamHandle
 from ._unit import Unit
 
-__all__ = ["FSDP1Surface", "show_forward_signature"]
+__all__ = ["FSDP1Surface", "SignedForward", "show_forward_signature"]
 
 
 class FSDP1Surface(nn.Module):
@@ -79,24 +79,51 @@ def _only_handle(unit: Unit, attribute: str) -> Optional[FlatParamHandle]:
     )
 
 
+_SIGNED = "_flatshard_signed_forward"  # (the instance's own copy of forward, in its __dict__)
+_SELF = "_flatshard_wrapper"  # (the copy's first parameter: no name a forward could also use)
+
+
+class SignedForward:
+    """Decorates the wrapper's ``forward``: looked up on a wrapper, it is bound from that
+    wrapper's own copy of the function, which carries the wrapped module's signature (see
+    [Note: the forward signature]); on the class, it is the function itself."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.__doc__ = function.__doc__
+        self.__name__ = function.__name__
+        self.__qualname__ = function.__qualname__
+
+    def __get__(self, instance: Optional[nn.Module], owner: Optional[type] = None) -> Any:
+        if instance is None:
+            return self.function
+        return types.MethodType(instance.__dict__.get(_SIGNED, self.function), instance)
+
+
 def show_forward_signature(wrapper: nn.Module, module: nn.Module) -> None:
     """Make ``inspect.signature(wrapper.forward)`` the wrapped module's ``forward`` signature.
 
     [Note: the forward signature] Hugging Face Trainer keeps only the dataset columns that
     ``model.forward``'s signature names; the wrapper's ``forward(*args, **kwargs)`` names none,
     so every column was dropped. ``inspect.signature`` of a bound method reads its function's
-    ``__signature__``, which the class's method cannot have per instance; so the wrapper gets,
-    in its own ``__dict__``, a bound method of a copy of the class's ``forward`` function (the
-    same code, run the same way) carrying the wrapped module's signature. ``nn.Module.__call__``
-    finds it through the instance as it would find the class's method."""
-    function = type(wrapper).forward
+    ``__signature__``, which the class's function cannot have per instance. So the wrapper keeps,
+    in its ``__dict__``, a copy of the class's ``forward`` function (the same code, run the same
+    way) carrying the wrapped module's signature, and ``forward`` on the class is a
+    ``SignedForward``, which binds that copy. Nothing in the wrapper's ``__dict__`` refers back to
+    it, and replacing ``forward`` on the class (a profiler, ``mock.patch.object``) still reaches
+    every wrapper. A subclass that defines its own ``forward`` keeps it as it is."""
+    descriptor = inspect.getattr_static(type(wrapper), "forward", None)
+    if not isinstance(descriptor, SignedForward):
+        return
+    function = descriptor.function
     try:
         signature = inspect.signature(module.forward)
-    except (TypeError, ValueError):  # (a builtin or C forward: keep the wrapper's)
+        parameters = [inspect.Parameter(_SELF, inspect.Parameter.POSITIONAL_ONLY)] + list(signature.parameters.values())
+        signed = signature.replace(parameters=parameters)
+    except (TypeError, ValueError):  # (a builtin or C forward, or one taking a parameter of that name)
         return
-    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)] + list(signature.parameters.values())
     copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, function.__closure__)
     copy.__qualname__ = function.__qualname__
-    copy.__doc__ = module.forward.__doc__ or function.__doc__
-    copy.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
-    wrapper.__dict__["forward"] = types.MethodType(copy, wrapper)
+    copy.__doc__ = function.__doc__
+    copy.__signature__ = signed  # type: ignore[attr-defined]
+    wrapper.__dict__[_SIGNED] = copy
