@@ -200,21 +200,26 @@ def _second_fsdp(rank, world_size):
     return messages
 
 
-def _upcast_beside_frozen(rank, world_size):
-    """LoRA under accelerate's bf16: frozen and trainable parameters in one unit (two
-    FlatParameters), the model loaded in bf16, accelerate's upcast through ``_flat_param`` /
-    ``_handle``. Training equals the same model upcast before wrapping, bit for bit (the
-    computation is in bf16 either way; the frozen parameters' values are the same)."""
-    from flatshard import MixedPrecision
+def _upcast_after_wrapping(rank, world_size, case):
+    """accelerate's bf16 upcast through ``_flat_param`` / ``_handle`` of a model loaded in bf16,
+    under mixed precision in bf16. ``frozen``: LoRA, frozen and trainable parameters in one unit
+    (two FlatParameters). ``no_shard``: NO_SHARD, where the FlatParameter was the full flat
+    tensor until the cast. Training equals the same model upcast before wrapping, bit for bit
+    (the computation is in bf16 either way; frozen parameters keep their values). A second
+    upcast after the first forward is refused."""
+    from flatshard import MixedPrecision, ShardingStrategy
 
     def made(upcast_first):
-        model = build(frozen_blocks=(0, 1))
-        for block in model.blocks[:2]:
-            block.fc1.weight.requires_grad_(True)  # the "adapter" beside a frozen base
+        model = build(frozen_blocks=(0, 1) if case == "frozen" else ())
+        if case == "frozen":
+            for block in model.blocks[:2]:
+                block.fc1.weight.requires_grad_(True)  # the "adapter" beside a frozen base
         model.to(torch.bfloat16)
         if upcast_first:
             model.float()
-        return ShardedDataParallel(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=True,
+        strategy = ShardingStrategy.NO_SHARD if case == "no_shard" else ShardingStrategy.FULL_SHARD
+        return ShardedDataParallel(model, auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}), use_orig_params=case == "frozen",
+                                   sharding_strategy=strategy,
                                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, cast_forward_inputs=True))
 
     model, reference = made(False), made(True)
@@ -229,7 +234,12 @@ def _upcast_beside_frozen(rank, world_size):
     losses, params = _train(model, world_size, 3, 1, rank), full_params(model)
     ref_losses, ref_params = _train(reference, world_size, 3, 1, rank), full_params(reference)
     same = losses == ref_losses and all(torch.equal(params[n].float(), ref_params[n].float()) for n in ref_params)
-    return trainable, same
+    again = ShardedDataParallel(build().to(torch.bfloat16))
+    _train(again, world_size, 1, 1, rank)
+    param = again._flat_param
+    param.data = param.data.float()
+    late = error_text(lambda: setattr(again._handle, "_orig_param_dtype", torch.float32), NotImplementedError)
+    return trainable, same, late[late.index(" after the model"):]
 
 
 class FrameworkSurfaceTest(TestCase):
@@ -249,10 +259,13 @@ class FrameworkSurfaceTest(TestCase):
         self.assertEqual(dtypes, ["torch.float32"])
         assert_same_training(reference, trained)
 
-    def test_accelerates_upcast_beside_frozen_parameters(self):
-        trainable, same = self.pool.run(_upcast_beside_frozen, 2)[0]
-        self.assertEqual(trainable, ["torch.float32"])
-        self.assertTrue(same)
+    def test_accelerates_upcast_beside_frozen_parameters_and_without_sharding(self):
+        for case in ("frozen", "no_shard"):
+            with self.subTest(case=case):
+                trainable, same, late = self.pool.run(_upcast_after_wrapping, 2, case)[0]
+                self.assertEqual(trainable, ["torch.float32"])
+                self.assertTrue(same)
+                self.assertEqual(late, " after the model's first forward is not supported (accelerate writes it in prepare_model, before training, accelerator.py:2038): cast before the first forward")
 
     def test_a_unit_with_several_flat_parameters_says_why(self):
         given, messages = self.pool.run(_surface_errors, 2)[0]

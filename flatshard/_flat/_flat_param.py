@@ -202,6 +202,9 @@ class FlatParamHandle(HandleGrads):
         # The offloaded gradient's copy to the CPU in flight (see [Note: offloaded gradients]).
         self._grad_copy: Optional[torch.cuda.Event] = None
         self.state = HandleState.UNSHARDED
+        # Whether its root's runtime was made (its first forward): from then on the runtime holds
+        # buffers and exchanges typed for this dtype, so a cast is refused (Unit.bind sets it).
+        self.runtime_made = False
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
         self.param_order = _param_order(params)
@@ -233,7 +236,7 @@ class FlatParamHandle(HandleGrads):
             "_comm_hook": self._comm_hook, "_full": full, "_full_data": None if full is None else full.data,
             "_module_views": None, "_held_grad": None, "_local_grad": False, "_gather": None,
             "_hold": HeldGrad.NONE, "_kept_grad": None, "_held_version": (),
-            "_reduction": None, "_grad_copy": None,
+            "_reduction": None, "_grad_copy": None, "runtime_made": False,
             "state": HandleState.SHARDED if self.separate_full else HandleState.UNSHARDED,
         }
         new = copy_fields(self, memo, given)
@@ -273,12 +276,19 @@ class FlatParamHandle(HandleGrads):
         self.take_user_writes()
         precision = self._precision
         compute = precision.param_dtype or shard.dtype
-        if (self.sharded or compute != shard.dtype or self.orig is not None) != self.separate_full:
+        if self.separate_full and not (self.sharded or compute != shard.dtype or self.orig is not None):
             raise NotImplementedError(
                 f"casting a NO_SHARD unit to {shard.dtype} after wrapping under mixed precision "
                 f"(param_dtype={precision.param_dtype}) is not supported: cast the model before wrapping"
             )
-        if self.separate_full and self.state is HandleState.UNSHARDED:
+        if not self.separate_full and (self.sharded or compute != shard.dtype or self.orig is not None):
+            # NO_SHARD (or one rank) computing in param_dtype, cast away from it (accelerate's
+            # upcast of a model loaded in param_dtype): the full flat tensor, the FlatParameter
+            # itself until now, becomes a tensor of its own, gathered (a copy) for each use.
+            self.drop_views()
+            self._move((HandleState.UNSHARDED,), HandleState.SHARDED, "cast")
+            self.separate_full = True
+        elif self.separate_full and self.state is HandleState.UNSHARDED:
             self.reshard()
         with torch.no_grad():
             self.flat_param.data = shard
@@ -333,6 +343,12 @@ class FlatParamHandle(HandleGrads):
         # (see [Note: casting a built unit]).
         if dtype == self.dtype:
             return
+        if self.runtime_made:
+            raise NotImplementedError(
+                f"[rank {self.rank}] _orig_param_dtype = {dtype} for the FlatParameter ({self.describe()}) after the "
+                f"model's first forward is not supported (accelerate writes it in prepare_model, before training, "
+                f"accelerator.py:2038): cast before the first forward"
+            )
         shard = self.flat_param.detach()
         if shard.dtype != dtype:
             raise ValueError(
