@@ -11,16 +11,21 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType, TracebackType
-from typing import List, Optional, Tuple, Type
+from typing import List, Optional, Sequence, Tuple, Type
 
 from ._base._fsdp_markers import RewrapError
 from .sharded_data_parallel import ShardedDataParallel
 
-__all__ = ["RewrapError", "TorchFSDPPatch", "patch_torch_fsdp"]
+__all__ = ["FRAMEWORK_PACKAGES", "RewrapError", "TorchFSDPPatch", "patch_torch_fsdp"]
 
 # The two public import paths of torch's FSDP1 class.
 _TORCH_PATHS = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
 _CLASS_NAME = "FullyShardedDataParallel"
+
+#: The training frameworks whose modules ``patch_torch_fsdp`` also looks into for a module-level
+#: binding of torch's class made before the call (of these, transformers' ``trainer_seq2seq``
+#: makes one at import time; the others import the class when they use it).
+FRAMEWORK_PACKAGES = ("transformers", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric", "peft", "trl")
 
 
 class TorchFSDPPatch:
@@ -69,7 +74,7 @@ class TorchFSDPPatch:
         return f"TorchFSDPPatch({state}, replaced={self.replaced})"
 
 
-def patch_torch_fsdp() -> TorchFSDPPatch:
+def patch_torch_fsdp(packages: Sequence[str] = ()) -> TorchFSDPPatch:
     """Make torch's FSDP1 class flatshard's, so that frameworks that build
     ``torch.distributed.fsdp.FullyShardedDataParallel`` (Hugging Face accelerate and Trainer,
     Lightning's ``FSDPStrategy``) build and recognise flatshard's wrapper.
@@ -80,13 +85,16 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
 
     - ``torch.distributed.fsdp.FullyShardedDataParallel``;
     - ``torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel``;
-    - in modules outside torch imported before the call, any module-level name bound to
-      torch's class (a framework that ran ``from torch.distributed.fsdp import
-      FullyShardedDataParallel as FSDP`` at import time); ``replaced`` lists them.
+    - in the modules of the frameworks in ``FRAMEWORK_PACKAGES`` (and of ``packages``) imported
+      before the call, any module-level name bound to torch's class (a framework that ran
+      ``from torch.distributed.fsdp import FullyShardedDataParallel`` at import time);
+      ``replaced`` lists them.
 
-    Nothing else in torch changes: torch's own modules keep their references to torch's class
-    (FSDP2's ``fully_shard`` is not replaced), and flatshard's configuration classes accept
-    torch's (``ShardingStrategy``, ``MixedPrecision``, ``StateDictType``, ...).
+    Nothing else changes: torch's own modules keep their references to torch's class (FSDP2's
+    ``fully_shard`` is not replaced), and so does your own code (a name you bound to torch's
+    class stays torch's: import ``flatshard.FullyShardedDataParallel`` there). flatshard's
+    configuration classes accept torch's (``ShardingStrategy``, ``MixedPrecision``,
+    ``StateDictType``, ...).
 
     It is idempotent: a second call while torch is patched replaces nothing. The patch is
     undone by ``undo()`` on the returned object, or by using the call as a context manager::
@@ -94,16 +102,27 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
         with flatshard.patch_torch_fsdp():
             trainer.fit(model)
 
+    Args:
+        packages: more top-level package names to look into, as for ``FRAMEWORK_PACKAGES``
+            (a framework not listed there that binds torch's class when it is imported).
+
     Returns:
         A ``TorchFSDPPatch`` listing what was replaced.
     """
+    if isinstance(packages, str) or not all(isinstance(p, str) for p in packages):
+        raise TypeError(f"patch_torch_fsdp(packages=...) takes a sequence of package names; got {packages!r}")
     fsdp = importlib.import_module(_TORCH_PATHS[0])
     current = getattr(fsdp, _CLASS_NAME)
     if current is ShardedDataParallel:
+        if packages:
+            raise ValueError(
+                f"patch_torch_fsdp(packages={list(packages)!r}): torch is patched already, by an earlier call; pass "
+                f"the packages to that first call (this one would replace nothing)"
+            )
         return TorchFSDPPatch(None, [])
     torch_class = importlib.import_module(_TORCH_PATHS[1]).__dict__[_CLASS_NAME]
     targets = [(importlib.import_module(path), _CLASS_NAME) for path in _TORCH_PATHS]
-    for module, namespace in _modules_outside_torch():
+    for module, namespace in _framework_modules(FRAMEWORK_PACKAGES + tuple(packages)):
         targets.extend((module, name) for name, value in list(namespace.items()) if value is torch_class)
     patch = TorchFSDPPatch(torch_class, [])
     try:  # (all or nothing: a failure puts back what was replaced before it)
@@ -123,12 +142,11 @@ def _namespace(module: ModuleType) -> dict:  # type: ignore[type-arg]
     return object.__getattribute__(module, "__dict__")
 
 
-def _modules_outside_torch() -> List[Tuple[ModuleType, dict]]:  # type: ignore[type-arg]
-    """Imported modules (a snapshot) outside torch and flatshard, with their namespaces."""
+def _framework_modules(packages: Tuple[str, ...]) -> List[Tuple[ModuleType, dict]]:  # type: ignore[type-arg]
+    """The imported modules (a snapshot) of ``packages``, with their namespaces."""
     found = []
     for name, module in list(sys.modules.items()):
-        top = name.partition(".")[0]
-        if top in ("torch", "flatshard") or not isinstance(module, ModuleType):
+        if name.partition(".")[0] not in packages or not isinstance(module, ModuleType):
             continue
         try:
             namespace = _namespace(module)

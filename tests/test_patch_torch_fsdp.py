@@ -21,8 +21,8 @@ import flatshard
 from flatshard import ShardedDataParallel
 from tests._models import Block, assert_same_training, build, error_text, train_reference, _train, full_params
 
-# (in a tuple: the patch rebinds module-level names bound to torch's class, this module's too)
 _TORCH = (torch_fsdp_module.__dict__["FullyShardedDataParallel"],)
+USERS_OWN_BINDING = torch_fsdp_module.FullyShardedDataParallel  # (the patch leaves it alone)
 PATHS = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
 
 
@@ -37,11 +37,14 @@ class PatchTest(TestCase):
         for path in PATHS:  # (whatever a failing test left)
             importlib.import_module(path).FullyShardedDataParallel = _TORCH[0]
 
-    def test_replaces_the_public_paths_and_bindings_made_before(self):
-        early = types.ModuleType("framework_imported_before")
+    def test_replaces_the_public_paths_and_framework_bindings_made_before(self):
+        early = types.ModuleType("accelerate._flatshard_test_imported_before")  # a framework's module
         early.FSDP = _TORCH[0]
         early.unrelated = torch.nn.Linear
+        other = types.ModuleType("some_framework_not_listed")
+        other.FSDP = _TORCH[0]
         sys.modules[early.__name__] = early
+        sys.modules[other.__name__] = other
         try:
             patch = flatshard.patch_torch_fsdp()
             self.assertEqual(_classes(), [ShardedDataParallel, ShardedDataParallel])
@@ -53,15 +56,26 @@ class PatchTest(TestCase):
             self.assertEqual(patch.replaced, [
                 "torch.distributed.fsdp.FullyShardedDataParallel",
                 "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
-                "framework_imported_before.FSDP",
+                "accelerate._flatshard_test_imported_before.FSDP",
             ])
-            # torch's own modules keep torch's class (its FSDP1 machinery and FSDP2 are not patched)
-            self.assertIs(importlib.import_module("torch.distributed.fsdp._init_utils").__dict__.get("FullyShardedDataParallel", _TORCH[0]), _TORCH[0])
+            # the user's own bindings (this module's) and torch's own modules keep torch's class
+            self.assertIs(USERS_OWN_BINDING, _TORCH[0])
+            self.assertIs(other.FSDP, _TORCH[0])
+            self.assertIs(importlib.import_module("torch.distributed.fsdp._runtime_utils").__dict__.get("FullyShardedDataParallel", _TORCH[0]), _TORCH[0])
+            self.assertEqual(error_text(lambda: flatshard.patch_torch_fsdp(packages=["some_framework_not_listed"]), ValueError),
+                             "patch_torch_fsdp(packages=['some_framework_not_listed']): torch is patched already, by an earlier call; "
+                             "pass the packages to that first call (this one would replace nothing)")
             patch.undo()
             self.assertEqual(_classes(), [_TORCH[0], _TORCH[0]])
             self.assertIs(early.FSDP, _TORCH[0])
+            with flatshard.patch_torch_fsdp(packages=["some_framework_not_listed"]) as listed:
+                self.assertIs(other.FSDP, ShardedDataParallel)
+                self.assertEqual(listed.replaced[-1], "some_framework_not_listed.FSDP")
+            self.assertIs(other.FSDP, _TORCH[0])
+            self.assertEqual(error_text(lambda: flatshard.patch_torch_fsdp(packages="accelerate"), TypeError),
+                             "patch_torch_fsdp(packages=...) takes a sequence of package names; got 'accelerate'")
         finally:
-            del sys.modules[early.__name__]
+            del sys.modules[early.__name__], sys.modules[other.__name__]
 
     def test_a_lazily_loaded_module_is_not_loaded_by_the_patch(self):
         import importlib.abc
@@ -76,7 +90,7 @@ class PatchTest(TestCase):
             def exec_module(self, module):
                 loaded.append(module.__name__)
 
-        spec = importlib.util.spec_from_loader("lazily_loaded_framework", importlib.util.LazyLoader(Loader()))
+        spec = importlib.util.spec_from_loader("transformers._flatshard_test_lazy", importlib.util.LazyLoader(Loader()))
         lazy = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(lazy)
         sys.modules[spec.name] = lazy
