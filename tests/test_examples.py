@@ -37,12 +37,21 @@ def test_example_under_torchrun_uses_the_launchers_ranks_and_flags():
     assert all("mem " in line for line in out.splitlines() if line.startswith("step"))
 
 
-def test_benchmark_script_runs_and_prints_the_comparison():
-    bench = str(ROOT / "bench" / "bench.py")
-    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
-            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,fsdp1"]
-    out = _run([sys.executable, bench, *tiny])
-    rows = [line for line in out.splitlines() if line.startswith("| flatshard") or line.startswith("| fsdp1")]
+# One run of bench/bench.py for the three tests below (the suite's time): the comparison of
+# flatshard and FSDP1, matching configurations of both, and the profile of a flatshard step.
+MATCHING = "flatshard activation_checkpointing,fsdp1 activation_checkpointing,flatshard SHARD_GRAD_OP,fsdp1 SHARD_GRAD_OP"
+
+
+@pytest.fixture(scope="module")
+def bench_output():
+    tiny = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", f"flatshard,fsdp1,ddp,{MATCHING}", "--profile", "2"]
+    return _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
+
+
+def test_benchmark_script_runs_and_prints_the_comparison(bench_output):
+    out = bench_output
+    rows = [line for line in out.splitlines() if line.startswith("| flatshard |") or line.startswith("| fsdp1 |")]
     assert len(rows) == 4, out  # the comparison, then the phase split
     assert "| CPU / rank / step: step thread + gloo threads | cores busy |" in out, out
     for row in rows[:2]:  # the step thread's and gloo's CPU per rank and step, and the cores' use
@@ -58,14 +67,10 @@ def test_benchmark_script_runs_and_prints_the_comparison():
         assert abs(cells[3][0] - sum(cell[0] for cell in cells[:3])) <= 2, row
 
 
-def test_benchmark_script_runs_matching_configurations_of_flatshard_and_fsdp1():
+def test_benchmark_script_runs_matching_configurations_of_flatshard_and_fsdp1(bench_output):
     # e.g. activation checkpointing applied after wrapping, as FSDP1 training recipes do
-    variants = "flatshard activation_checkpointing,fsdp1 activation_checkpointing,flatshard SHARD_GRAD_OP,fsdp1 SHARD_GRAD_OP"
-    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
-            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", variants]
-    out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
-    for name in variants.split(","):
-        assert sum(line.startswith(f"| {name} |") for line in out.splitlines()) == 2, (name, out)
+    for name in MATCHING.split(","):
+        assert sum(line.startswith(f"| {name} |") for line in bench_output.splitlines()) == 2, (name, bench_output)
 
 
 def _bench_script():
@@ -117,10 +122,8 @@ def test_phase_clock_wall_time_contains_a_wait_between_its_readings():
         assert wall == pytest.approx(cpu + runnable + asleep)
 
 
-def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback():
-    tiny = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
-            "--warmup", "1", "--steps", "1", "--rounds", "1", "--variants", "flatshard,ddp", "--profile", "2"]
-    out = _run([sys.executable, str(ROOT / "bench" / "bench.py"), *tiny])
+def test_benchmark_profile_splits_a_flatshard_step_and_measures_the_loopback(bench_output):
+    out = bench_output
     report = out.split("### flatshard: where a step goes", 1)[1]
     parts = {}
     for line in report.splitlines():
