@@ -38,8 +38,9 @@ __all__ = ["ManagedFlag", "RewrapError", "check_not_rewrapped", "mark_fsdp_manag
 #   first takes the module's dict of composable states from ``module.__dict__``. Every module
 #   flatshard manages holds a dict there that refuses those two APIs (other composable APIs,
 #   e.g. activation checkpointing's ``checkpoint``, are let through).
-# The fix for the user is the same in each case: ``flatshard.patch_torch_fsdp()`` before the
-# framework runs, so that the framework builds flatshard's wrapper and recognises one.
+# The errors say what fixes it: ``flatshard.patch_torch_fsdp()`` before the framework runs, so
+# that the framework builds flatshard's wrapper and recognises one (and, for FSDP2, choosing
+# FSDP version 1 in the framework: flatshard takes FSDP1's place only).
 _SECOND_WRAP_FIX = (
     "Call flatshard.patch_torch_fsdp() before the framework runs (it makes torch's "
     "FullyShardedDataParallel flatshard's), or pass the framework the unwrapped model"
@@ -49,7 +50,6 @@ _REFUSED_COMPOSABLE = frozenset({"fully_shard", "replicate"})
 
 class RewrapError(ValueError):
     """A flatshard model given to another FSDP implementation (see [Note: a second FSDP])."""
-
 
 
 class ManagedFlag:

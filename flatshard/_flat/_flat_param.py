@@ -54,6 +54,8 @@ class FlatParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "FlatParameter":
         # (nn.Parameter's copy would drop _fqns)
+        if id(self) in memo:
+            return memo[id(self)]
         copied = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad, self._fqns)
         memo[id(self)] = copied
         return copied
