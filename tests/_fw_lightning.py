@@ -346,13 +346,10 @@ def export(args: argparse.Namespace) -> None:
         plain = FlowModule()
         plain.load_state_dict(state, strict=True)
         out: Dict[str, Any] = {"params": {k: v.detach().clone() for k, v in plain.named_parameters()}}
-        if name.startswith("full-flat"):
-            # the IDs count the FlatParameters' original parameters, in the optimizer's order
-            optim_state = checkpoint["optimizer_states"][0]["state"]
-            out["id_exp_avg_shapes"] = [tuple(optim_state[i]["exp_avg"].shape) for i in sorted(optim_state)]
-        if name.startswith("full-orig") or name in ("prewrapped-patched", "wrapapi-full"):
+        if name.startswith(("full-orig", "full-flat")) or name in ("prewrapped-patched", "wrapapi-full"):
             # Lightning keys a full checkpoint's optimizer state by parameter ID ("standard
-            # format"): with use_orig_params, the plain model's parameter order
+            # format"): the plain model's parameter order, with use_orig_params or without (a
+            # FlatParameter stands for its original parameters, in the plain model's order)
             optimizer, _ = make_optimizer(plain.parameters())
             optimizer.load_state_dict(checkpoint["optimizer_states"][0])
             out["plain_optimizer_exp_avg_shapes"] = [tuple(optimizer.state[p]["exp_avg"].shape) for p in plain.parameters()]

@@ -182,15 +182,9 @@ def _check_strategy_flow(workdir: Path, variant: str, truth: Any, sharding: Dict
     assert sorted(exported["params"]) == sorted(result["straight_params"])
     for name, value in result["straight_params"].items():
         assert torch.equal(exported["params"][name], value), name
-    if state_dict_type == "full" and kind == "orig":  # the optimizer state, keyed by ID, loads into a plain optimizer
+    if state_dict_type == "full":  # the optimizer state, keyed by ID, loads into a plain optimizer (either kind)
         assert exported["plain_optimizer_exp_avg_shapes"] == [tuple(v.shape) for v in truth[1].values()]
         assert exported["plain_optimizer_steps"] == [float(STEPS)] * len(truth[1])
-    if state_dict_type == "full" and kind == "flat":
-        # IDs in the optimizer's order of FlatParameters (the root's: embed and head; then each
-        # Block's), each standing for its original parameters in flattening order
-        flat_order = ["embed", "head", "blocks.0", "blocks.1"]
-        names = [n for prefix in flat_order for n in truth[1] if n.startswith(prefix + ".")]
-        assert exported["id_exp_avg_shapes"] == [tuple(truth[1][n].shape) for n in names]
 
 
 @pytest.mark.parametrize("variant", STRATEGY_DEFAULT)
