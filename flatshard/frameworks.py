@@ -127,8 +127,9 @@ def patch_torch_fsdp(packages: Sequence[str] = ()) -> TorchFSDPPatch:
     patch = TorchFSDPPatch(torch_class, [])
     try:  # (all or nothing: a failure puts back what was replaced before it)
         for module, name in targets:
-            if _namespace(module).get(name) is torch_class:
-                _namespace(module)[name] = ShardedDataParallel
+            namespace = _namespace(module)
+            if namespace.get(name) is torch_class:
+                namespace[name] = ShardedDataParallel
                 patch._replaced.append((module, name))
     except BaseException:
         patch.undo()

@@ -42,7 +42,7 @@ from ._checkpoint._state_dict import get_settings, load_model_state, make_settin
 from ._checkpoint._state_dict import state_dict_type as settings_applied
 from ._checkpoint._checkpointing import guarded_call
 from ._checkpoint._summon import forward_while_summoned, summon_full_params
-from ._engine._unit import bind_units, root_of
+from ._engine._unit import bind_units
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -686,7 +686,6 @@ class ShardedDataParallel(FSDP1Surface):
         # .half(), .double(), .to(dtype) convert the shards (see [Note: casting a built unit]);
         # .to(device), .cuda(), to_empty() would replace only the shards, not the full flat
         # tensors the units gather into: refused unless the conversion is a no-op.
-        ran = any(member.ctx is not None for member in root_of(self._unit).members())
         for handle in self._unit.handles:
             before = handle.flat_param.detach()
             after = fn(before)
@@ -699,7 +698,7 @@ class ShardedDataParallel(FSDP1Surface):
                     f"is not supported: move the model before wrapping, or pass device_id (a param_init_fn must "
                     f"not recurse into submodules: use module.to_empty(device=..., recurse=False))"
                 )
-            if ran:
+            if handle.runtime_made:  # (every unit of the root is bound to its runtime at once)
                 raise NotImplementedError(
                     f"casting a ShardedDataParallel model ({change}) after its first forward is not supported: "
                     f"cast it right after wrapping, before it runs"

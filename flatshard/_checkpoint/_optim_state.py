@@ -693,7 +693,6 @@ def optimizer_names(model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) 
     holding FlatParameters lists them in the plain model's order (a root unit's parameters come
     first in flattening order, but not in the model), so the IDs are those of a plain optimizer
     built from the same parameters, whatever ``use_orig_params`` was."""
-    ordered = [p for g in groups for p in g]
     if named_units(model):
         index = OptimStateIndex(model)
         names: List[str] = []
@@ -703,6 +702,7 @@ def optimizer_names(model: nn.Module, groups: Sequence[Sequence[torch.Tensor]]) 
             names.extend(index.sort(expanded) if flat else expanded)
         return names
     name_of = {id(p): clean_name(name) for name, p in model.named_parameters()}  # (checkpoint / compile wrappers)
+    ordered = [p for g in groups for p in g]
     for pid, param in enumerate(ordered):
         if id(param) not in name_of:
             raise ValueError(f"rekey_optim_state_dict: optimizer parameter #{pid} (shape {tuple(param.shape)}) is not a parameter of the model")

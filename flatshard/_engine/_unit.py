@@ -185,7 +185,7 @@ class Unit:
         """Join the context of a root (``None``: leave it, e.g. when adopted by an outer unit)."""
         self.ctx = ctx
         for handle in self.handles:
-            handle.runtime_made = handle.runtime_made or ctx is not None
+            handle.runtime_made = ctx is not None
 
     def mesh(self) -> Any:
         """The 1-D ``DeviceMesh`` of the unit's group: the user's ``device_mesh``, else the one

@@ -162,8 +162,6 @@ class FlatParamHandle(HandleGrads):
         # The parameters' user-facing names (from the root once it is known: set_name_prefix).
         self._names = [info.name for info in self.param_infos]
         self.attr_name = attr_name
-        # The FlatParameter's ``_fqns`` (FSDP1's): its parameters' names relative to ``owner``.
-        self.fqns = tuple(clean_name(info.name) for info in self.param_infos)
         self.flat_param, self._full = self._make_tensors([p.param for p in primaries], requires_grad, sync_from_first_rank)
         # Writes go through this alias: it shares the storage but not the version counter,
         # so refilling the storage does not invalidate views autograd saved in forward.
@@ -204,8 +202,9 @@ class FlatParamHandle(HandleGrads):
         # The offloaded gradient's copy to the CPU in flight (see [Note: offloaded gradients]).
         self._grad_copy: Optional[torch.cuda.Event] = None
         self.state = HandleState.UNSHARDED
-        # Whether its root's runtime was made (its first forward): from then on the runtime holds
-        # buffers and exchanges typed for this dtype, so a cast is refused (Unit.bind sets it).
+        # Whether its root's runtime is made (its first forward): from then on the runtime holds
+        # buffers and exchanges typed for this dtype, so a cast is refused (Unit.bind sets it:
+        # an outer unit adopting this one drops the old runtime, and a new one is made later).
         self.runtime_made = False
         # Each touched module's parameter names in registration order, before flattening:
         # state dicts list the originals in that order (see [Note: plain view]).
@@ -317,18 +316,19 @@ class FlatParamHandle(HandleGrads):
         """The ``FlatParameter`` (this rank's shard) and the full flat tensor (see
         [Note: two tensors per handle])."""
         full = flatten(params, self.padded_numel, self.device)
+        fqns = [clean_name(info.name) for info in self.param_infos]  # (FSDP1's _fqns: relative to the owner)
         if sync:  # (hybrid: first across the replicas, then within each shard group)
             if self.replicate is not None:
                 self.replicate.broadcast_from_first(full)
             self.comm.broadcast_from_first(full)
         if not self.sharded:
-            flat_param = FlatParameter(full, requires_grad, self.fqns)
+            flat_param = FlatParameter(full, requires_grad, fqns)
             if not self.separate_full:
                 return flat_param, flat_param
             return flat_param, full.to(self.compute_dtype, copy=True).requires_grad_(requires_grad)
         start = self.rank * self.shard_numel
         shard = full[start : start + self.shard_numel]
-        flat_param = FlatParameter(to_host(shard) if self.offload else shard.clone(), requires_grad, self.fqns)
+        flat_param = FlatParameter(to_host(shard) if self.offload else shard.clone(), requires_grad, fqns)
         return flat_param, full.to(self.compute_dtype).requires_grad_(requires_grad)
 
     # -- layout -------------------------------------------------------------------------
