@@ -24,12 +24,24 @@ from typing import Any, Callable, List, Optional
 MAX_WORLD_SIZE = 4
 COLLECTIVE_TIMEOUT_S = 60
 
+# [Note: a group made is a group every rank has finished making] A gloo group is connected
+# pair by pair while it is made, and one side of a pair can be done before the other has read
+# its last handshake. Unless ``TORCH_DIST_INIT_BARRIER=1``, neither ``init_process_group`` nor
+# ``new_group`` waits for the other ranks afterwards, so a rank whose task ends
+# just after making a group (``new_group([0, 1])`` on ranks 0 and 1, then ``return`` on rank 0)
+# destroys its side while rank 1 is still connecting, and rank 1 raises "Gloo connectFullMesh
+# failed ... Connection closed by peer" (about 3 tasks in 100 on a 2-core machine). The workers
+# turn that barrier on, so every group of every task, and the task's own world, is made by all
+# ranks before any of them goes on.
+INIT_BARRIER = ("TORCH_DIST_INIT_BARRIER", "1")
+
 
 class RankFailure(AssertionError):
     """A rank raised an exception that could not be re-raised as itself."""
 
 
 def _worker(index: int, tasks: "mp.Queue[Any]", results: "mp.Queue[Any]") -> None:
+    os.environ[INIT_BARRIER[0]] = INIT_BARRIER[1]  # (before torch reads it; see the Note above)
     import torch
     import torch.distributed as dist
 
