@@ -12,6 +12,8 @@ HYBRID_SHARD --resume DIR --save-every 4``, as docs/multinode.md's recipe says.
   size (2 × 2 → 1 × 2), from the newest checkpoint; its final model equals single-process
   training on the batches each step saw (four ranks' before the resumed step, two ranks' after).
 
+The suite runs the first; ``FLATSHARD_ELASTIC_ALL=1`` runs all three (about two minutes more).
+
 The launchers run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/multinode.md):
 with torch's default the workers share the rendezvous store without a per-round prefix, and a
 restart read the previous round's addresses ("Gloo connectFullMesh failed ... Connection
@@ -220,7 +222,7 @@ def test_a_killed_worker_mid_step_and_mid_save_costs_only_the_steps_since_the_ch
 
 
 # (with FLATSHARD_ELASTIC_ALL=1 only, for the suite's time: the suite kills a worker mid-step and
-# mid-save above, and a launcher for good below)
+# mid-save above)
 @pytest.mark.skipif(not os.environ.get("FLATSHARD_ELASTIC_ALL"), reason="a launcher killed and started again runs with FLATSHARD_ELASTIC_ALL=1 (the suite's time)")
 @pytest.mark.parametrize("when", ["mid-save", "mid-step"])
 def test_a_killed_launcher_started_again_costs_only_the_steps_since_the_checkpoint(tmp_path: Path, reference: Dict[str, object], when: str) -> None:
@@ -243,6 +245,7 @@ def test_a_killed_launcher_started_again_costs_only_the_steps_since_the_checkpoi
     _assert_bit_identical(actual, reference, "checkpoint")
 
 
+@pytest.mark.skipif(not os.environ.get("FLATSHARD_ELASTIC_ALL"), reason="a launcher lost for good runs with FLATSHARD_ELASTIC_ALL=1 (the suite's time: about 45 s)")
 def test_a_node_lost_for_good_the_other_goes_on_alone_from_the_checkpoint(tmp_path: Path) -> None:
     directory = tmp_path / "shrunk"
     run = Run(directory, "1:2", free_port())

@@ -223,15 +223,25 @@ def _losses(out):
     return {line.split()[1]: line.split()[3] for line in out.splitlines() if line.startswith("step")}
 
 
-def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(tmp_path):
-    """A run of 4 steps saved at step 2 and resumed prints the uninterrupted run's losses."""
-    small = ["--log-every", "1", "--layers", "2", "--dim", "32"]
-    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *small]))
+SMALL = ["--log-every", "1", "--layers", "2", "--dim", "32"]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """Runs of 4 steps: uninterrupted; saved at step 2; resumed from it (saved at its end)."""
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *SMALL]))
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
-    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *small]))
-    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *small])
+    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *SMALL]))
+    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *SMALL])
+    return {"whole": whole, "first": first, "second": second, "ckpt": ckpt, "full": full}
+
+
+def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(resumed_run):
+    """A run of 4 steps saved at step 2 and resumed prints the uninterrupted run's losses."""
+    second = resumed_run["second"]
     assert "resumed at step 3" in second
-    assert {**first, **_losses(second)} == whole
+    assert {**resumed_run["first"], **_losses(second)} == resumed_run["whole"]
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -240,19 +250,18 @@ def test_example_resumes_exactly_where_it_stopped_and_writes_a_plain_checkpoint(
     finally:
         sys.path.pop(0)
     plain = GPT(64, 32, 2, 4, 32)
-    plain.load_state_dict(torch.load(full, weights_only=True), strict=True)
+    plain.load_state_dict(torch.load(resumed_run["full"], weights_only=True), strict=True)
 
 
-def test_example_resumed_past_its_steps_keeps_the_later_checkpoint(tmp_path):
+def test_example_resumed_past_its_steps_keeps_the_later_checkpoint(resumed_run):
     """A run resumed from a checkpoint of a later step than its --steps trains nothing and saves
     nothing: before, it saved the later weights as step --steps and removed the later checkpoint."""
     from flatshard.run_checkpoints import published_steps
 
-    small = ["--log-every", "1", "--layers", "2", "--dim", "32"]
-    ckpt = str(tmp_path / "ckpt")
-    _run([sys.executable, EXAMPLE, "--steps", "3", "--save", ckpt, *small])
-    _run([sys.executable, EXAMPLE, "--steps", "2", "--resume", ckpt, *small])
-    assert [step for step, _ in published_steps(ckpt)] == [3]
+    ckpt = resumed_run["ckpt"]
+    assert [step for step, _ in published_steps(ckpt)] == [4, 2]  # (the resumed run saved at its end)
+    _run([sys.executable, EXAMPLE, "--steps", "3", "--resume", ckpt, *SMALL])
+    assert [step for step, _ in published_steps(ckpt)] == [4, 2]
 
 
 FINETUNE_HF = str(ROOT / "examples" / "finetune_hf.py")

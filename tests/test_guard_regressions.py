@@ -4,8 +4,8 @@ communicates makes every rank raise within ``BOUND_S`` naming that rank and what
 nothing aborts the process, and no legitimate program is refused -- for one case the review found
 broken at b767116. Every test here failed there.
 
-The models train on groups with a 20 s timeout, so a test that hits a wait of the full timeout
-fails in about 20 s rather than the pool's 60 s. A rank that fails stays until its peers are
+The models train on groups with an 8 s timeout, so a test that hits a wait of the full timeout
+fails in about 8 s rather than the pool's 60 s. A rank that fails stays until its peers are
 done, at most ``LINGER_S`` (``_linger``): its peers must hear of the failure from its record, not
 from its process exiting.
 """
@@ -33,9 +33,11 @@ from flatshard.wrap import ModuleWrapPolicy
 from tests._faults import count_collectives, fault_at
 from tests._models import Block, batch, build, lm_loss, local, make_optim
 
-BOUND_S = 10.0
+BOUND_S = 6.0
 LINGER_S = BOUND_S + 3.0
-TIMEOUT = timedelta(seconds=20)
+# Above BOUND_S (a failure heard only at the timeout fails the bound), and short: the pool's
+# destroy of a group left with a collective that never completes waits it out.
+TIMEOUT = timedelta(seconds=8)
 
 
 def _outcome(fn: Any) -> Dict[str, Any]:

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import importlib
 import inspect
+import json
 import subprocess
 import sys
 import textwrap
@@ -209,11 +210,64 @@ SPELLINGS = [
 ]
 
 
-@pytest.mark.parametrize("code", SPELLINGS, ids=lambda c: c.splitlines()[0])
-def test_import_spelling_works_with_the_package_name_swapped(code):
-    script = f"{code}\n# --- the same code, for flatshard:\n{code.replace('torch.distributed.fsdp', 'flatshard')}\n"
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _swapped(code):
+    return f"{code}\n# --- the same code, for flatshard:\n{code.replace('torch.distributed.fsdp', 'flatshard')}\n"
+
+
+# [Note: spellings in forks] Each spelling must run in an interpreter that has imported neither
+# flatshard nor torch.distributed.fsdp (what an import spelling sets up depends on what came
+# before it). Starting an interpreter per spelling cost 2.5 s each, nearly all of it importing
+# torch and its DTensor modules, which every spelling imports first anyway; so one interpreter
+# imports those alone and runs each spelling in a child forked from it, checked to start
+# without either package.
+_FORKING_RUNNER = textwrap.dedent(
+    """
+    import json, os, sys, tempfile, traceback
+    import torch
+    import torch.distributed.tensor
+    codes = json.load(sys.stdin)
+    loaded = [m for m in sys.modules if m.split(".")[0] == "flatshard" or m.startswith("torch.distributed.fsdp")]
+    if loaded:
+        raise SystemExit(f"imported before the spellings: {loaded}")
+    results = []
+    for code in codes:
+        with tempfile.TemporaryFile("w+") as err:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.dup2(err.fileno(), 2)
+                try:
+                    exec(compile(code, "<spelling>", "exec"), {"__name__": "__main__"})
+                    status = 0
+                except BaseException:
+                    traceback.print_exc()
+                    status = 1
+                sys.stderr.flush()
+                os._exit(status)
+            _, waited = os.waitpid(pid, 0)
+            err.seek(0)
+            results.append([os.waitstatus_to_exitcode(waited), err.read()])
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def spelling_outcomes():
+    """``{code: (exit code, stderr)}`` of every spelling below, each in a fresh fork."""
+    codes = [_swapped(code) for code in SPELLINGS] + FLATSHARD_SPELLINGS
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKING_RUNNER], input=json.dumps(codes), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
+    return dict(zip(codes, json.loads(done.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize("code", SPELLINGS, ids=lambda c: c.splitlines()[0])
+def test_import_spelling_works_with_the_package_name_swapped(code, spelling_outcomes):
+    status, stderr = spelling_outcomes[_swapped(code)]
+    assert status == 0, stderr
 
 
 FLATSHARD_SPELLINGS = [
@@ -231,9 +285,22 @@ FLATSHARD_SPELLINGS = [
 
 
 @pytest.mark.parametrize("code", FLATSHARD_SPELLINGS, ids=lambda c: c.splitlines()[0])
-def test_flatshard_spelling(code):
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+def test_flatshard_spelling(code, spelling_outcomes):
+    status, stderr = spelling_outcomes[code]
+    assert status == 0, stderr
+
+
+def test_a_failing_spelling_fails_in_its_fork():
+    # (the runner itself: a spelling that raises is reported with its traceback, and the next
+    # fork starts without what the failed one imported)
+    bad = "import flatshard\nraise ValueError('spelled wrong')"
+    check = "import sys\nassert 'flatshard' not in sys.modules"
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKING_RUNNER], input=json.dumps([bad, check]), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    (status, stderr), (next_status, next_stderr) = json.loads(done.stdout.splitlines()[-1])
+    assert status == 1 and "ValueError: spelled wrong" in stderr, stderr
+    assert next_status == 0, next_stderr
 
 
 def test_wrap_and_plan_are_the_submodules_and_callable():
