@@ -223,17 +223,17 @@ def _losses(out):
     return {line.split()[1]: line.split()[3] for line in out.splitlines() if line.startswith("step")}
 
 
-SMALL = ["--log-every", "1", "--layers", "2", "--dim", "32"]
+RESUME_SMALL = ["--log-every", "1", "--layers", "2", "--dim", "32"]
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """Runs of 4 steps: uninterrupted; saved at step 2; resumed from it (saved at its end)."""
     tmp_path = tmp_path_factory.mktemp("resumed")
-    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *SMALL]))
+    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *RESUME_SMALL]))
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
-    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *SMALL]))
-    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *SMALL])
+    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *RESUME_SMALL]))
+    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *RESUME_SMALL])
     return {"whole": whole, "first": first, "second": second, "ckpt": ckpt, "full": full}
 
 
@@ -260,7 +260,7 @@ def test_example_resumed_past_its_steps_keeps_the_later_checkpoint(resumed_run):
 
     ckpt = resumed_run["ckpt"]
     assert [step for step, _ in published_steps(ckpt)] == [4, 2]  # (the resumed run saved at its end)
-    _run([sys.executable, EXAMPLE, "--steps", "3", "--resume", ckpt, *SMALL])
+    _run([sys.executable, EXAMPLE, "--steps", "3", "--resume", ckpt, *RESUME_SMALL])
     assert [step for step, _ in published_steps(ckpt)] == [4, 2]
 
 
