@@ -38,12 +38,15 @@ def load_lazily_loaded_full_state_dict(rank: int, world_size: int, path: str) ->
         out[use_orig_params] = kind, {name: torch.equal(loaded[name], value) for name, value in expected.items()}
     # A lazily loaded value of the wrong shape is named as such (materialized in its own shape,
     # never broadcast into the parameter's).
+    # (one file per rank: _lazy_load maps the file, and a peer rewriting it under the mapping
+    # killed this rank with SIGBUS -- CI saw "Connection reset by peer" on the other rank)
     wrong = dict(expected, **{"embed.weight": expected["embed.weight"][:1].clone()})
-    torch.save(wrong, path + ".wrong")
+    wrong_path = f"{path}.wrong{rank}"
+    torch.save(wrong, wrong_path)
     model = flatshard.FullyShardedDataParallel(build_net(), auto_wrap_policy=flatshard.ModuleWrapPolicy({Block}))
     try:
         with flatshard.FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
-            model.load_state_dict(_lazy_load(path + ".wrong"))
+            model.load_state_dict(_lazy_load(wrong_path))
         out["wrong shape"] = "no error"
     except (RuntimeError, ValueError) as error:
         out["wrong shape"] = f"{type(error).__name__}: {error}"
