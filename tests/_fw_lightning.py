@@ -324,7 +324,7 @@ def consolidated(folder: Path, fabric: bool, cli: bool) -> Dict[str, Any]:
         single = folder.with_name(folder.name + ".consolidated")
         module = "lightning.fabric" if fabric else "lightning.pytorch"
         done = subprocess.run([sys.executable, "-m", f"{module}.utilities.consolidate_checkpoint", str(folder), "--output_file", str(single)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, timeout=240)
         if done.returncode != 0:
             raise RuntimeError(f"consolidating {folder} failed:\n{done.stdout}{done.stderr}")
         return torch.load(single, map_location="cpu", weights_only=False)

@@ -361,14 +361,17 @@ def _freed_by_gloo(rank: int, world_size: int) -> Tuple[Dict[str, PhaseMemory], 
     tensor was freed on a thread other than the main one."""
     main = threading.get_ident()
     freed_on: List[int] = []
+    store = dist.distributed_c10d._get_default_store()  # (no tensors: the timeline counts none)
     with _timeline() as timeline:
         with timeline.phase("issue"):
             if rank == 1:
-                time.sleep(0.5)
+                store.wait(["rank 0 dropped its tensor"])  # (a sleep here raced a slow rank 0)
             sent = torch.ones(N)
             weakref.finalize(sent, lambda: freed_on.append(threading.get_ident()))
             dist.all_reduce(sent, async_op=True)  # (the work, dropped at once, holds `sent`)
             del sent
+            if rank == 0:
+                store.set("rank 0 dropped its tensor", "1")
         deadline = time.monotonic() + 60
         while not freed_on and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -154,7 +154,9 @@ def _steps_alone(rank: int, world_size: int) -> Dict[str, Any]:
 
 def _dies_mid_step(rank: int, world_size: int, init_file: str, results: Any) -> None:
     """Spawned (not in the pool): the last rank's process exits in the forward of step 2."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    # (20 s, not GROUP_TIMEOUT: freshly spawned ranks meet here, and a dead peer is heard from
+    # its closed connections, not at the timeout)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=20))
     torch.set_num_threads(1)
     model = _model(None)
     exit_at = Tripwire.forward
