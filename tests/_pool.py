@@ -23,6 +23,12 @@ from typing import Any, Callable, List, Optional
 
 MAX_WORLD_SIZE = 4
 COLLECTIVE_TIMEOUT_S = 60
+# For tests that leave a rank with a collective that never completes (a peer raised): a failure
+# is heard within about a second, so HEARD_WITHIN_S bounds it, and the groups' timeout stays
+# above that bound, so that a failure heard only at the timeout fails it. The timeout is short
+# because the pool's destroy of such a group waits it out (19 s of each such test with 20 s).
+HEARD_WITHIN_S = 6.0
+STUCK_GROUP_TIMEOUT = timedelta(seconds=8)
 
 # [Note: a group made is a group every rank has finished making] A gloo group is connected
 # pair by pair while it is made, and one side of a pair can be done before the other has read

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "train_gpt.py")
-SMALL = ["--steps", "3", "--log-every", "1", "--layers", "2", "--dim", "32"]
+TINY = ["--log-every", "1", "--layers", "2", "--dim", "32"]
+SMALL = ["--steps", "3", *TINY]
 
 
 def _run(cmd):
@@ -223,17 +224,14 @@ def _losses(out):
     return {line.split()[1]: line.split()[3] for line in out.splitlines() if line.startswith("step")}
 
 
-RESUME_SMALL = ["--log-every", "1", "--layers", "2", "--dim", "32"]
-
-
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """Runs of 4 steps: uninterrupted; saved at step 2; resumed from it (saved at its end)."""
     tmp_path = tmp_path_factory.mktemp("resumed")
-    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *RESUME_SMALL]))
+    whole = _losses(_run([sys.executable, EXAMPLE, "--steps", "4", *TINY]))
     ckpt, full = str(tmp_path / "ckpt"), str(tmp_path / "model.pt")
-    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *RESUME_SMALL]))
-    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *RESUME_SMALL])
+    first = _losses(_run([sys.executable, EXAMPLE, "--steps", "2", "--save", ckpt, *TINY]))
+    second = _run([sys.executable, EXAMPLE, "--steps", "4", "--resume", ckpt, "--full-checkpoint", full, *TINY])
     return {"whole": whole, "first": first, "second": second, "ckpt": ckpt, "full": full}
 
 
@@ -260,7 +258,7 @@ def test_example_resumed_past_its_steps_keeps_the_later_checkpoint(resumed_run):
 
     ckpt = resumed_run["ckpt"]
     assert [step for step, _ in published_steps(ckpt)] == [4, 2]  # (the resumed run saved at its end)
-    _run([sys.executable, EXAMPLE, "--steps", "3", "--resume", ckpt, *RESUME_SMALL])
+    _run([sys.executable, EXAMPLE, "--steps", "3", "--resume", ckpt, *TINY])
     assert [step for step, _ in published_steps(ckpt)] == [4, 2]
 
 

@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 from unittest import mock
 
@@ -32,12 +31,10 @@ from flatshard._engine._unit import root_guard
 from flatshard.wrap import ModuleWrapPolicy
 from tests._faults import count_collectives, fault_at
 from tests._models import Block, batch, build, lm_loss, local, make_optim
+from tests._pool import HEARD_WITHIN_S, STUCK_GROUP_TIMEOUT
 
-BOUND_S = 6.0
+BOUND_S, TIMEOUT = HEARD_WITHIN_S, STUCK_GROUP_TIMEOUT
 LINGER_S = BOUND_S + 3.0
-# Above BOUND_S (a failure heard only at the timeout fails the bound), and short: the pool's
-# destroy of a group left with a collective that never completes waits it out.
-TIMEOUT = timedelta(seconds=8)
 
 
 def _outcome(fn: Any) -> Dict[str, Any]:

@@ -253,15 +253,20 @@ _FORKING_RUNNER = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def spelling_outcomes():
-    """``{code: (exit code, stderr)}`` of every spelling below, each in a fresh fork."""
-    codes = [_swapped(code) for code in SPELLINGS] + FLATSHARD_SPELLINGS
+def _in_forks(codes):
+    """``[(exit code, stderr)]`` of each of ``codes``, each run in a fresh fork."""
     done = subprocess.run(
         [sys.executable, "-c", _FORKING_RUNNER], input=json.dumps(codes), cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    return dict(zip(codes, json.loads(done.stdout.splitlines()[-1])))
+    return [tuple(result) for result in json.loads(done.stdout.splitlines()[-1])]
+
+
+@pytest.fixture(scope="module")
+def spelling_outcomes():
+    """``{code: (exit code, stderr)}`` of every spelling below."""
+    codes = [_swapped(code) for code in SPELLINGS] + FLATSHARD_SPELLINGS
+    return dict(zip(codes, _in_forks(codes)))
 
 
 @pytest.mark.parametrize("code", SPELLINGS, ids=lambda c: c.splitlines()[0])
@@ -295,10 +300,7 @@ def test_a_failing_spelling_fails_in_its_fork():
     # fork starts without what the failed one imported)
     bad = "import flatshard\nraise ValueError('spelled wrong')"
     check = "import sys\nassert 'flatshard' not in sys.modules"
-    done = subprocess.run(
-        [sys.executable, "-c", _FORKING_RUNNER], input=json.dumps([bad, check]), cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    (status, stderr), (next_status, next_stderr) = json.loads(done.stdout.splitlines()[-1])
+    (status, stderr), (next_status, next_stderr) = _in_forks([bad, check])
     assert status == 1 and "ValueError: spelled wrong" in stderr, stderr
     assert next_status == 0, next_stderr
 

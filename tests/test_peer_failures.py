@@ -27,13 +27,9 @@ from torch import nn
 from flatshard import PeerFailedError, ShardedDataParallel
 from flatshard._comm._shared_memory import ENV_SWITCH
 from tests._models import DIM, Block, batch, lm_loss, local, make_optim, build
+from tests._pool import HEARD_WITHIN_S, STUCK_GROUP_TIMEOUT
 
-# A failure is heard within about a second; the group's timeout stays above BOUND_S so that a
-# failure heard only at the timeout fails the bound. It is short because a rank that raised
-# PeerFailedError keeps a collective that never completes, and the pool's destroy of its
-# group waits the timeout out (about 19 s of each such test with 20 s).
-BOUND_S = 6.0
-GROUP_TIMEOUT = timedelta(seconds=8)
+BOUND_S, GROUP_TIMEOUT = HEARD_WITHIN_S, STUCK_GROUP_TIMEOUT
 # Every world size and path with FLATSHARD_PEER_FAILURES_ALL=1 (the suite's time: each case
 # trains four steps on every rank); the suite runs the smallest and the largest.
 ALL = bool(os.environ.get("FLATSHARD_PEER_FAILURES_ALL"))
